@@ -1,0 +1,47 @@
+# `make demo` and `make test` are all the set-up a fresh machine needs: each
+# target creates .venv and installs the project into it when pyproject.toml
+# changed since the last install (the stamp file is keyed on its hash).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "Installing ddpkit and its dev tools into $(VENV) (the first time takes a few minutes) ..."
+	@$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" 2>&1 \
+		| grep -v "is ignored: it is neither a file nor a directory" || true
+	@$(BIN)/python -c "import ddpkit, torch, torchvision, lmdb, pyarrow" \
+		|| { echo "installation into $(VENV) failed; see the pip output above" >&2; exit 1; }
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+demo: $(STAMP)
+	@if [ -f examples/seresnext_lmdb.py ]; then \
+		$(BIN)/python examples/seresnext_lmdb.py --demo; \
+	else \
+		echo "ddpkit $$($(BIN)/python -c 'import ddpkit; print(ddpkit.__version__)') is installed in $(VENV)."; \
+		echo "demo arrives with the example (examples/seresnext_lmdb.py)"; \
+	fi
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest --timeout=300 $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	@set -e; found=0; for f in benchmarks/*.py; do \
+		[ -f "$$f" ] || continue; found=1; echo "== $$f"; $(BIN)/python "$$f"; \
+	done; [ $$found = 1 ] || echo "no benchmarks yet (benchmarks/*.py)"
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

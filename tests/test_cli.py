@@ -1,0 +1,50 @@
+"""The ``ddpkit`` console script."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ddpkit
+from ddpkit.cli import main
+
+
+def _console_script() -> str:
+    # The script pip installed beside this interpreter (the venv's bin/).
+    candidate = Path(sys.executable).with_name("ddpkit")
+    found = str(candidate) if candidate.exists() else shutil.which("ddpkit")
+    assert found, "the ddpkit console script is not installed"
+    return found
+
+
+def test_console_script_version() -> None:
+    out = subprocess.run(
+        [_console_script(), "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"ddpkit {ddpkit.__version__}"
+    assert ddpkit.__version__ == "0.1.0.dev0"
+
+
+def test_python_dash_m_help() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: ddpkit")
+
+
+def test_main_without_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    assert "usage: ddpkit" in capsys.readouterr().out
+
+
+def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err

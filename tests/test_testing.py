@@ -1,0 +1,130 @@
+"""ddpkit.testing.run_distributed: results, failures, timeouts and isolation."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpkit.testing import DistributedTestError, run_distributed
+
+
+def _rank_info(rank: int, world_size: int, tag: str) -> tuple[int, int, int, int, str, str]:
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return (
+        rank,
+        world_size,
+        dist.get_rank(),
+        int(t.item()),
+        dist.get_backend(),
+        tag + os.environ.get("DDPKIT_TEST_MARK", ""),
+    )
+
+
+@pytest.mark.parametrize("init", ["file", "tcp"])
+def test_returns_values_in_rank_order(init: str) -> None:
+    out = run_distributed(
+        _rank_info, 3, args=("x",), init=init, env={"DDPKIT_TEST_MARK": "!"}, timeout=90
+    )
+    assert out == [(r, 3, r, 6, "gloo", "x!") for r in range(3)]
+
+
+def _raise_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("boom from the test on rank one")
+    # The healthy rank blocks in a collective the failed rank never joins:
+    # only termination by the parent ends it.
+    dist.barrier()
+    return rank
+
+
+def test_rank_error_carries_message_and_traceback() -> None:
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_raise_on_rank_one, 2, timeout=60)
+    assert time.monotonic() - start < 30, "the surviving rank was not terminated"
+    err = info.value
+    assert err.rank == 1
+    assert "ValueError: boom from the test on rank one" in str(err)
+    assert "_raise_on_rank_one" in err.remote_traceback
+
+
+def _sleep_forever_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        while True:
+            time.sleep(1)
+    return rank
+
+
+def test_timeout_kills_and_names_stuck_rank() -> None:
+    timeout = 6.0
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) 1\.") as info:
+        run_distributed(_sleep_forever_on_rank_one, 2, timeout=timeout)
+    elapsed = time.monotonic() - start
+    assert elapsed < timeout + 5, f"took {elapsed:.1f} s"
+    assert "1 of 2 ranks" in str(info.value)
+
+
+def _exit_hard(rank: int, world_size: int) -> int:
+    if rank == 0:
+        os._exit(3)
+    dist.barrier()
+    return rank
+
+
+def test_silent_death_is_reported() -> None:
+    with pytest.raises(DistributedTestError, match="rank 0 of 2 failed: exited with code 3"):
+        run_distributed(_exit_hard, 2, timeout=60)
+
+
+def _unpicklable(rank: int, world_size: int) -> object:
+    return lambda: rank
+
+
+def test_unpicklable_return_value_is_an_error() -> None:
+    with pytest.raises(DistributedTestError, match="could not be sent to the parent"):
+        run_distributed(_unpicklable, 1, timeout=60)
+
+
+def _tagged_sum(rank: int, world_size: int, tag: int) -> tuple[int, int]:
+    t = torch.tensor([tag])
+    dist.all_reduce(t)
+    return tag, int(t.item())
+
+
+def test_concurrent_runs_do_not_collide() -> None:
+    results: dict[int, object] = {}
+
+    def run(tag: int) -> None:
+        init = "tcp" if tag % 2 else "file"
+        try:
+            results[tag] = run_distributed(_tagged_sum, 2, args=(tag,), init=init, timeout=120)
+        except BaseException as exc:
+            results[tag] = exc
+
+    threads = [threading.Thread(target=run, args=(tag,)) for tag in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    # Each group summed only its own tag: a crossed rendezvous would mix them.
+    assert results == {tag: [(tag, 2 * tag)] * 2 for tag in range(4)}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"world_size": 0}, "world_size must be at least 1"),
+        ({"world_size": 2, "init": "env"}, "init must be 'file' or 'tcp'"),
+        ({"world_size": 2, "timeout": 0}, "timeout must be positive"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        run_distributed(_tagged_sum, **kwargs)  # type: ignore[arg-type]
