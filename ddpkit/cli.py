@@ -17,8 +17,46 @@ def build_parser() -> argparse.ArgumentParser:
         "LMDB image datasets and for checking a multi-node set-up.",
     )
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_doctor(commands)
     return parser
+
+
+def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this node for a multi-node job (run it on every node)",
+        description="Preflight checks for a multi-node job: GPUs, launcher variables, the "
+        "interface that routes to the master, NCCL/Gloo settings, InfiniBand and the "
+        "rendezvous port. Exits 1 when a check FAILs.",
+    )
+    doctor.add_argument("--master-addr", help="rank 0's host (default: MASTER_ADDR)")
+    doctor.add_argument(
+        "--master-port", type=int, help="the rendezvous port (default: MASTER_PORT)"
+    )
+    doctor.add_argument(
+        "--world-size", type=int, help="the total number of processes, to compare with the launcher"
+    )
+    doctor.add_argument(
+        "--timeout",
+        type=float,
+        default=3.0,
+        help="seconds to wait for a TCP connection to the master (default: 3)",
+    )
+    doctor.set_defaults(func=_run_doctor)
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from ddpkit import doctor  # imports torch: only when the command runs
+
+    checks = doctor.run_checks(
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        world_size=args.world_size,
+        connect_timeout=args.timeout,
+    )
+    print(doctor.format_report(checks))
+    return doctor.exit_code(checks)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -121,10 +121,22 @@ def test_concurrent_runs_do_not_collide() -> None:
     ("kwargs", "match"),
     [
         ({"world_size": 0}, "world_size must be at least 1"),
-        ({"world_size": 2, "init": "env"}, "init must be 'file' or 'tcp'"),
+        ({"world_size": 2, "init": "env"}, "init must be 'file', 'tcp' or None"),
         ({"world_size": 2, "timeout": 0}, "timeout must be positive"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         run_distributed(_tagged_sum, **kwargs)  # type: ignore[arg-type]
+
+
+def _no_group(rank: int, world_size: int) -> tuple[int, bool, str | None]:
+    return rank, dist.is_initialized(), os.environ.get("RANK")
+
+
+def test_init_none_starts_processes_without_a_group() -> None:
+    # No group and no launcher variables: the code under test starts its own job.
+    assert run_distributed(_no_group, 2, init=None, timeout=60) == [
+        (0, False, None),
+        (1, False, None),
+    ]

@@ -1,0 +1,478 @@
+"""Preflight checks for a multi-node job: ``ddpkit doctor``.
+
+Run on every node, before the job or while it hangs. Each check looks at one
+thing that commonly stops ranks from finding each other (the launcher's
+variables, the interface that routes to the master, ``NCCL_SOCKET_IFNAME``,
+InfiniBand, whether the rendezvous port answers) and says what to change.
+Nothing here joins a job or sends data beyond a TCP connect to the master port.
+
+Example:
+    >>> checks = run_checks(master_addr="10.0.0.1", master_port=29500)  # doctest: +SKIP
+    >>> print(format_report(checks))  # doctest: +SKIP
+    [INFO] versions:           python 3.11.7, torch 2.4.1+cu121, CUDA 12.1, NCCL 2.20.5, ...
+    [ OK ] route to master:    10.0.0.1 is reached through eth0 (10.0.0.2)
+    ...
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import os
+import platform
+import socket
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+
+from ddpkit._version import __version__
+from ddpkit.launchers import LaunchEnv, detect_launcher
+from ddpkit.network import (
+    IB_SYSFS,
+    NCCL_DEBUG_LEVELS,
+    NetworkConfigError,
+    _parse_ifname,
+    check_socket_ifname,
+    infiniband_devices,
+    list_interfaces,
+    route_interface,
+)
+
+__all__ = ["Check", "Status", "exit_code", "format_report", "run_checks"]
+
+logger = logging.getLogger("ddpkit")
+
+Status = Literal["OK", "WARN", "FAIL", "INFO"]
+
+_TAGS: dict[str, str] = {"OK": "[ OK ]", "WARN": "[WARN]", "FAIL": "[FAIL]", "INFO": "[INFO]"}
+_PORT_FIX = (
+    "start rank 0 first: it listens there once init_distributed runs; check the address and "
+    "port are the same on every node; open the port in the firewall"
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report.
+
+    Attributes:
+        name: what was checked, e.g. ``"route to master"``.
+        status: ``"OK"``, ``"WARN"`` (may work, worth a look), ``"FAIL"`` (the
+            job will not start or will hang) or ``"INFO"`` (facts, no verdict).
+        detail: what was found, one line.
+        fix: for WARN and FAIL, what to do about it, one line.
+    """
+
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+def run_checks(
+    *,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    world_size: int | None = None,
+    environ: Mapping[str, str] | None = None,
+    connect_timeout: float = 3.0,
+    ib_sysfs: str = IB_SYSFS,
+) -> list[Check]:
+    """Check this machine for what a multi-node job needs; never raises.
+
+    Checks, in this order: versions, GPUs, launcher, interfaces, route to
+    master, ``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``, InfiniBand,
+    ``NCCL_DEBUG`` and master port. A check that raises becomes a FAIL line
+    naming the exception; the others still run.
+
+    Args:
+        master_addr: host of rank 0's rendezvous store; defaults to
+            ``MASTER_ADDR``, then to what the launcher (SLURM ...) says.
+        master_port: its port; defaults to ``MASTER_PORT``, then to the launcher's.
+        world_size: the number of processes the job should have; compared
+            with the launcher's.
+        environ: the environment to read; ``os.environ`` by default.
+        connect_timeout: seconds to wait for a TCP connection to the master.
+        ib_sysfs: where InfiniBand devices are listed.
+
+    Returns:
+        One :class:`Check` per line of the report.
+
+    Example:
+        >>> [c.name for c in run_checks()][:3]  # doctest: +SKIP
+        ['versions', 'GPUs', 'launcher']
+    """
+    env = os.environ if environ is None else environ
+    try:
+        launch: LaunchEnv | None = detect_launcher(env)
+        launch_error: ValueError | None = None
+    except ValueError as exc:
+        launch, launch_error = None, exc
+
+    addr, addr_source = _master_addr(master_addr, env, launch)
+    port: int | str | None = master_port
+    if port is None:
+        port = env.get("MASTER_PORT") or (launch.master_port if launch else None)
+
+    checks = _guard("versions", _check_versions)
+    checks += _guard("GPUs", lambda: _check_gpus(env))
+    checks += _guard("launcher", lambda: _check_launcher(launch, launch_error, world_size))
+    checks += _guard("interfaces", _check_interfaces)
+    try:
+        route_check, routed = _check_route(addr, addr_source)
+    except Exception as exc:
+        route_check, routed = _crashed("route to master", exc), None
+    checks.append(route_check)
+    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        checks += _guard(var, partial(_check_ifname, var, env, routed))
+    checks += _guard("InfiniBand", lambda: _check_infiniband(env, ib_sysfs))
+    checks += _guard("NCCL_DEBUG", lambda: _check_nccl_debug(env))
+    checks += _guard("master port", lambda: _check_port(addr, port, launch, connect_timeout))
+    return checks
+
+
+def format_report(checks: Sequence[Check]) -> str:
+    """Render checks as aligned lines, each WARN and FAIL followed by its fix.
+
+    Returns:
+        Lines like ``[ OK ] route to master: 10.0.0.1 is reached through eth0
+        (10.0.0.2)``, an indented ``fix: ...`` line under each WARN and FAIL,
+        and a last line counting each status.
+    """
+    width = max((len(c.name) for c in checks), default=0) + 1
+    indent = " " * (len(_TAGS["OK"]) + 1)
+    lines: list[str] = []
+    for c in checks:
+        lines.append(f"{_TAGS[c.status]} {c.name + ':':<{width}} {c.detail}")
+        if c.status in ("WARN", "FAIL") and c.fix:
+            lines.append(f"{indent}fix: {c.fix}")
+    counts = {s: sum(c.status == s for c in checks) for s in ("FAIL", "WARN", "OK", "INFO")}
+    lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
+    return "\n".join(lines)
+
+
+def exit_code(checks: Iterable[Check]) -> int:
+    """Return 1 when any check FAILed, else 0: the exit status of ``ddpkit doctor``."""
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+def _guard(name: str, check: Callable[[], Check]) -> list[Check]:
+    try:
+        return [check()]
+    except Exception as exc:
+        return [_crashed(name, exc)]
+
+
+def _crashed(name: str, exc: Exception) -> Check:
+    logger.debug("doctor: the %s check raised", name, exc_info=True)
+    return Check(
+        name,
+        "FAIL",
+        f"the check itself failed: {type(exc).__name__}: {exc}",
+        "this is a ddpkit doctor bug; the other checks still ran, please report it",
+    )
+
+
+def _master_addr(
+    given: str | None, env: Mapping[str, str], launch: LaunchEnv | None
+) -> tuple[str | None, str]:
+    if given:
+        return given, "--master-addr"
+    if env.get("MASTER_ADDR"):
+        return env["MASTER_ADDR"], "MASTER_ADDR"
+    if launch is not None and launch.master_addr:
+        return launch.master_addr, launch.launcher
+    return None, ""
+
+
+def _check_versions() -> Check:
+    cuda = torch.version.cuda or "CPU build"
+    nccl = "n/a"
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        found: object = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+        nccl = ".".join(map(str, found)) if isinstance(found, tuple) else str(found)
+    return Check(
+        "versions",
+        "INFO",
+        f"python {platform.python_version()}, torch {torch.__version__}, CUDA {cuda}, "
+        f"NCCL {nccl}, ddpkit {__version__}",
+    )
+
+
+def _check_gpus(env: Mapping[str, str]) -> Check:
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    seen = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        build = "" if torch.version.cuda else "; this torch is a CPU build"
+        return Check(
+            "GPUs",
+            "WARN",
+            f"no CUDA GPU visible: NCCL unavailable, Gloo on CPU will be used{seen}{build}",
+            "check nvidia-smi and the driver, and that CUDA_VISIBLE_DEVICES is unset or lists "
+            "this node's GPUs; a CPU build of torch needs reinstalling with CUDA",
+        )
+    names = ", ".join(f"{i}: {torch.cuda.get_device_name(i)}" for i in range(count))
+    return Check("GPUs", "OK", f"{count} visible{seen}: {names}")
+
+
+def _check_launcher(
+    launch: LaunchEnv | None, error: ValueError | None, world_size: int | None
+) -> Check:
+    if error is not None:
+        return Check(
+            "launcher",
+            "FAIL",
+            str(error),
+            "fix or unset the variable the message names (set by the launcher or a job script)",
+        )
+    if launch is None:
+        expected = "" if world_size is None else f"; --world-size {world_size} not compared"
+        return Check(
+            "launcher", "INFO", f"none (single process, or ranks passed as arguments){expected}"
+        )
+    variables = ", ".join(f"{k}={v}" for k, v in launch.variables) or "no variables"
+    where = f"rank {launch.rank} of {launch.world_size}, node {launch.node_rank}"
+    if launch.store_is_external:
+        where += ", the launcher hosts the rendezvous store"
+    if world_size is not None and world_size != launch.world_size:
+        return Check(
+            "launcher",
+            "FAIL",
+            f"--world-size {world_size}, but {launch.launcher} says world_size="
+            f"{launch.world_size} ({variables})",
+            "world size is the total number of processes (nodes x processes per node), the "
+            "same on every node: fix --world-size or the launcher's node and task counts",
+        )
+    return Check("launcher", "INFO", f"{launch.launcher}: {variables} ({where})")
+
+
+def _check_interfaces() -> Check:
+    interfaces = list_interfaces()
+    if not interfaces:
+        return Check(
+            "interfaces",
+            "WARN",
+            "no network interface found",
+            "run on Linux, or check `ip addr` works in this container",
+        )
+    listed = "; ".join(
+        f"{name} {', '.join(addrs) if addrs else '(no address)'}"
+        for name, addrs in interfaces.items()
+    )
+    return Check("interfaces", "INFO", listed)
+
+
+def _check_route(addr: str | None, source: str) -> tuple[Check, str | None]:
+    name = "route to master"
+    if not addr:
+        fix = "pass --master-addr or set MASTER_ADDR"
+        return Check(name, "WARN", "no master address given", fix), None
+    try:
+        iface = route_interface(addr)
+    except NetworkConfigError as exc:
+        fix = (
+            "use the rank-0 host's address as this node sees it (`ip addr` on that node), "
+            "the same on every node"
+        )
+        return Check(name, "FAIL", str(exc), fix), None
+    addrs = list_interfaces().get(iface, [])
+    local = f" ({addrs[0]})" if addrs else ""
+    origin = "" if source == "--master-addr" else f"; the address comes from {source}"
+    return Check(name, "OK", f"{addr} is reached through {iface}{local}{origin}"), iface
+
+
+def _check_ifname(var: str, env: Mapping[str, str], routed: str | None) -> Check:
+    gloo = var.startswith("GLOO")
+    value = env.get(var)
+    if value is None:
+        if routed is None:
+            picked = "the interface that routes to MASTER_ADDR"
+        else:
+            picked = routed if gloo else "=" + routed
+        return Check(var, "INFO", f"unset (init_distributed sets it to {picked} automatically)")
+    problem = check_socket_ifname(value, for_gloo=gloo)
+    if problem:
+        to = f" (or set it to {routed})" if routed else ""
+        return Check(
+            var,
+            "FAIL",
+            f"{var}={value!r}: {problem}",
+            f"unset {var}: init_distributed then picks the interface that routes to the master{to}",
+        )
+    if routed is not None:
+        exclude, exact, names = _parse_ifname(value)
+        exact = exact or gloo
+        selected = any(routed == n if exact else routed.startswith(n) for n in names)
+        if selected == exclude:
+            return Check(
+                var,
+                "WARN",
+                f"set to {value!r}, but the master is reached through {routed}",
+                f"export {var}={routed if gloo else '=' + routed}, unless the nodes talk "
+                "to each other through another interface on purpose",
+            )
+    return Check(var, "OK", f"{value!r} names an interface of this machine")
+
+
+def _check_infiniband(env: Mapping[str, str], ib_sysfs: str) -> Check:
+    devices = infiniband_devices(ib_sysfs)
+    disable = env.get("NCCL_IB_DISABLE")
+    setting = "unset" if disable is None else repr(disable)
+    if devices:
+        found = f"{', '.join(devices)} in {ib_sysfs}; NCCL_IB_DISABLE {setting}"
+        if disable == "1":
+            return Check(
+                "InfiniBand",
+                "WARN",
+                f"{found}: NCCL will not use them",
+                "unset NCCL_IB_DISABLE to let NCCL use InfiniBand, unless it is off on purpose",
+            )
+        return Check("InfiniBand", "INFO", found)
+    if disable == "1":
+        return Check("InfiniBand", "INFO", f"no devices in {ib_sysfs}; NCCL_IB_DISABLE='1'")
+    return Check(
+        "InfiniBand",
+        "WARN",
+        f"no devices in {ib_sysfs}, and NCCL_IB_DISABLE is {setting}: NCCL looks for "
+        "InfiniBand first and, in most versions, falls back to sockets",
+        "export NCCL_IB_DISABLE=1, or let init_distributed set it",
+    )
+
+
+def _check_nccl_debug(env: Mapping[str, str]) -> Check:
+    value = env.get("NCCL_DEBUG")
+    if value is None:
+        return Check(
+            "NCCL_DEBUG", "INFO", "unset (NCCL_DEBUG=INFO prints the interfaces NCCL uses)"
+        )
+    if value.strip().upper() not in NCCL_DEBUG_LEVELS:
+        return Check(
+            "NCCL_DEBUG",
+            "FAIL",
+            f"NCCL_DEBUG={value!r} is not an NCCL debug level",
+            f"export NCCL_DEBUG to one of {', '.join(NCCL_DEBUG_LEVELS)}, or unset it",
+        )
+    return Check("NCCL_DEBUG", "OK", repr(value))
+
+
+def _check_port(
+    addr: str | None, port: int | str | None, launch: LaunchEnv | None, timeout: float
+) -> Check:
+    name = "master port"
+    if not addr:
+        return Check(
+            name, "WARN", "no master address given", "pass --master-addr or set MASTER_ADDR"
+        )
+    if port is None:
+        return Check(
+            name,
+            "WARN",
+            "no master port given",
+            "pass --master-port or set MASTER_PORT (the same on every node)",
+        )
+    number = _port_number(port)
+    if number is None:
+        return Check(
+            name,
+            "FAIL",
+            f"master port {port!r} is not a port number 1..65535",
+            "set MASTER_PORT (or --master-port) to a free port such as 29500, the same on "
+            "every node",
+        )
+    if not _is_local(addr):
+        ok, detail = _probe_tcp(addr, number, timeout)
+        if ok:
+            return Check(name, "OK", f"{addr}:{number} accepts TCP connections")
+        return Check(name, "FAIL", f"{addr}:{number}: {detail}", _PORT_FIX)
+
+    problem = _bind_problem(number)
+    if problem is None:
+        return Check(
+            name, "OK", f"port {number} is free: rank 0 can host the rendezvous store here"
+        )
+    if problem != errno.EADDRINUSE:
+        return Check(
+            name,
+            "FAIL",
+            f"rank 0 cannot listen on port {number} here: {os.strerror(problem)}",
+            "pick a port above 1024 that is free, the same on every node (--master-port)",
+        )
+    ok, detail = _probe_tcp(addr, number, timeout)
+    if ok and launch is not None and launch.store_is_external:
+        return Check(name, "OK", f"{launch.launcher} hosts the rendezvous store on {number}")
+    if ok:
+        return Check(
+            name,
+            "WARN",
+            f"something already listens on {number} (a running job, or another program)",
+            f"if it is not this job's rank 0, pick another port; `ss -ltnp 'sport = :{number}'` "
+            "shows the program",
+        )
+    return Check(
+        name,
+        "FAIL",
+        f"port {number} is in use on this machine, but {addr}:{number} does not accept "
+        f"connections: {detail}",
+        f"pick another port (the same on every node), or find the program with "
+        f"`ss -tanp 'sport = :{number}'`",
+    )
+
+
+def _port_number(port: int | str) -> int | None:
+    try:
+        number = int(port)
+    except ValueError:
+        return None
+    return number if 0 < number < 65536 else None
+
+
+def _is_local(addr: str) -> bool:
+    """Is ``addr`` (a name or an address) this machine, i.e. would rank 0 run here?"""
+    if addr == "localhost":
+        return True
+    ours = {ipaddress.ip_address(a) for addrs in list_interfaces().values() for a in addrs}
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    for info in infos:
+        ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+        if ip.is_loopback or ip in ours:
+            return True
+    return False
+
+
+def _bind_problem(port: int) -> int | None:
+    """Try to listen on ``port`` on every address as the store would; return the errno."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # The store sets SO_REUSEADDR too: a port held only by TIME_WAIT
+        # connections of an earlier run is free to it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            return exc.errno or errno.EADDRINUSE
+    return None
+
+
+def _probe_tcp(addr: str, port: int, timeout: float) -> tuple[bool, str]:
+    """Open (and close) a TCP connection to ``addr:port``.
+
+    Returns:
+        ``(True, "")`` when it connected, else ``(False, why)`` with the
+        error's text, e.g. ``"Connection refused"``.
+    """
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return True, ""
+    except socket.gaierror as exc:
+        return False, f"cannot resolve {addr!r}: {exc.strerror or exc}"
+    except TimeoutError:
+        return False, f"no answer within {timeout:g} s (a firewall drops it, or wrong address)"
+    except OSError as exc:
+        return False, exc.strerror or str(exc)
