@@ -81,9 +81,10 @@ class DistInfo:
             raise ValueError(f"world_size must be at least 1, got {self.world_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
-        if not 0 <= self.local_rank < self.local_world_size:
+        if self.local_rank < 0 or self.local_world_size < 1:
             raise ValueError(
-                f"local_rank {self.local_rank} is outside 0..{self.local_world_size - 1}"
+                f"local_rank={self.local_rank} and local_world_size={self.local_world_size} "
+                "must be >= 0 and >= 1"
             )
 
     @property
@@ -249,7 +250,8 @@ def _join(
     if plan.launch is not None:
         local_world_size, node_rank = plan.launch.local_world_size, plan.launch.node_rank
     if dev.type == "cuda" and not plan.local_rank_known and device is None:
-        dev = torch.device("cuda", local_rank_)
+        # Only now is it known which GPU this rank takes on its host.
+        dev = _pick_device(None, local_rank_, backend)
         torch.cuda.set_device(dev)
 
     _init_process_group(store, plan, resolved, dev, timeout, rendezvous_timeout)
@@ -735,7 +737,6 @@ def _describe_existing() -> DistInfo:
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
-    local_world = max(local_world, local_rank + 1)
     backend = str(dist.get_backend())
     dev = (
         torch.device("cuda", torch.cuda.current_device())

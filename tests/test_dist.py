@@ -310,3 +310,30 @@ def test_openmpi_variables_start_a_real_job() -> None:
         (0, 0, "openmpi"),
         (1, 1, "openmpi"),
     ]
+
+
+def _fail_inside_with(rank: int, world_size: int, url: str) -> tuple[str, float]:
+    try:
+        with init_distributed(url, world_size=2, rank=rank) as _:
+            if rank == 1:
+                raise RuntimeError("rank 1 gives up")
+            start = time.monotonic()
+            try:
+                dist.barrier()  # rank 1 never arrives
+            except RuntimeError:
+                return "barrier failed", time.monotonic() - start
+            return "barrier passed", time.monotonic() - start
+    except RuntimeError as exc:
+        return str(exc), 0.0
+
+
+def test_a_failing_rank_does_not_leave_the_others_waiting() -> None:
+    # The collective timeout is 30 minutes; leaving the `with` block destroys
+    # rank 1's group, so rank 0's barrier fails at once instead.
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    (outcome0, waited), (outcome1, _) = run_distributed(
+        _fail_inside_with, 2, args=(url,), init=None, timeout=120
+    )
+    assert outcome1 == "rank 1 gives up"
+    assert outcome0 == "barrier failed"
+    assert waited < 30

@@ -77,14 +77,16 @@ def test_spawn_argument_errors() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_two_nodes_on_loopback(tmp_path: Path) -> None:
-    url = f"tcp://127.0.0.1:{_free_port()}"
+def _two_nodes(
+    wrappers: list[list[str]], url: str, outdir: Path, env: dict[str, str]
+) -> list[dict[str, object]]:
+    """Start node 0 and node 1 (2 processes each) under their command wrappers."""
     nodes = [
         subprocess.Popen(
-            [sys.executable, JOBS, "node", str(node), "2", "2", url, str(tmp_path)],
-            env=_child_env(),
+            [*wrapper, sys.executable, JOBS, "node", str(node), "2", "2", url, str(outdir)],
+            env=env,
         )
-        for node in (0, 1)
+        for node, wrapper in enumerate(wrappers)
     ]
     try:
         codes = [p.wait(timeout=150) for p in nodes]
@@ -92,7 +94,12 @@ def test_two_nodes_on_loopback(tmp_path: Path) -> None:
         for p in nodes:
             p.kill()
     assert codes == [0, 0]
-    out = _read_ranks(tmp_path, 4)
+    return _read_ranks(outdir, 4)
+
+
+def test_two_nodes_on_loopback(tmp_path: Path) -> None:
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    out = _two_nodes([[], []], url, tmp_path, _child_env())
     assert sorted(o["rank"] for o in out) == [0, 1, 2, 3]
     assert all(o["world_size"] == 4 and o["sum"] == 10.0 for o in out)
     assert [(o["node_rank"], o["local_rank"]) for o in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -172,21 +179,7 @@ def test_two_hosts_over_veth(two_hosts: list[tuple[str, str]], tmp_path: Path) -
     env = _child_env()
     for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    node_job = [sys.executable, JOBS, "node"]
-    nodes = [
-        subprocess.Popen(
-            ["ip", "netns", "exec", ns, *node_job, str(node), "2", "2", url, str(tmp_path)],
-            env=env,
-        )
-        for node, (ns, _) in enumerate(two_hosts)
-    ]
-    try:
-        codes = [p.wait(timeout=200) for p in nodes]
-    finally:
-        for p in nodes:
-            p.kill()
-    assert codes == [0, 0]
-    out = _read_ranks(tmp_path, 4)
+    out = _two_nodes([["ip", "netns", "exec", ns] for ns, _ in two_hosts], url, tmp_path, env)
     assert all(o["world_size"] == 4 and o["sum"] == 10.0 for o in out)
     # configure_network(socket_ifname="auto") found each host's veth end.
     veth = [link for _, link in two_hosts]
