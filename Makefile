@@ -38,10 +38,11 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest --timeout=300 $(PYTEST_ARGS)
 
+# Every benchmarks/*.py except the _helpers; each prints ratios measured side by side.
 bench: $(STAMP)
-	@set -e; found=0; for f in benchmarks/*.py; do \
-		[ -f "$$f" ] || continue; found=1; echo "== $$f"; $(BIN)/python "$$f"; \
-	done; [ $$found = 1 ] || echo "no benchmarks yet (benchmarks/*.py)"
+	@set -e; for f in benchmarks/[!_]*.py; do \
+		echo "== $$f"; $(BIN)/python "$$f"; \
+	done
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,27 +1,92 @@
 """ddpkit: PyTorch DistributedDataParallel building blocks.
 
-The public API is the names in ``__all__``; everything else is internal.
+The public API is the names in ``__all__``; everything else is internal. The
+names load on first use, so ``import ddpkit`` (and the ``ddpkit`` command)
+starts without importing torch.
 """
 
-from ddpkit._procs import RankFailedError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ddpkit._version import __version__
-from ddpkit.comm import (
-    all_gather_object,
-    all_reduce_sum,
-    barrier,
-    get_local_rank,
-    get_rank,
-    get_world_size,
-    is_main_process,
-)
-from ddpkit.dist import DistInfo, RendezvousError, init_distributed, shutdown
-from ddpkit.launch import spawn
-from ddpkit.launchers import LaunchEnv, detect_launcher
-from ddpkit.network import NetworkConfigError, configure_network
+
+if TYPE_CHECKING:
+    from ddpkit._procs import RankFailedError
+    from ddpkit.comm import (
+        all_gather_object,
+        all_reduce_sum,
+        barrier,
+        get_local_rank,
+        get_rank,
+        get_world_size,
+        is_main_process,
+    )
+    from ddpkit.data import (
+        IMAGENET_MEAN,
+        IMAGENET_STD,
+        BuildSummary,
+        DistributedEvalSampler,
+        ImageError,
+        LazyLMDBDataset,
+        LMDBFormatError,
+        build_lmdb,
+        build_loader,
+        normalize_batch,
+        set_epoch,
+        train_transform,
+        val_transform,
+    )
+    from ddpkit.dist import DistInfo, RendezvousError, init_distributed, shutdown
+    from ddpkit.launch import spawn
+    from ddpkit.launchers import LaunchEnv, detect_launcher
+    from ddpkit.network import NetworkConfigError, configure_network
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "RankFailedError": "ddpkit._procs",
+    "all_gather_object": "ddpkit.comm",
+    "all_reduce_sum": "ddpkit.comm",
+    "barrier": "ddpkit.comm",
+    "get_local_rank": "ddpkit.comm",
+    "get_rank": "ddpkit.comm",
+    "get_world_size": "ddpkit.comm",
+    "is_main_process": "ddpkit.comm",
+    "BuildSummary": "ddpkit.data",
+    "DistributedEvalSampler": "ddpkit.data",
+    "IMAGENET_MEAN": "ddpkit.data",
+    "IMAGENET_STD": "ddpkit.data",
+    "ImageError": "ddpkit.data",
+    "LMDBFormatError": "ddpkit.data",
+    "LazyLMDBDataset": "ddpkit.data",
+    "build_lmdb": "ddpkit.data",
+    "build_loader": "ddpkit.data",
+    "normalize_batch": "ddpkit.data",
+    "set_epoch": "ddpkit.data",
+    "train_transform": "ddpkit.data",
+    "val_transform": "ddpkit.data",
+    "DistInfo": "ddpkit.dist",
+    "RendezvousError": "ddpkit.dist",
+    "init_distributed": "ddpkit.dist",
+    "shutdown": "ddpkit.dist",
+    "spawn": "ddpkit.launch",
+    "LaunchEnv": "ddpkit.launchers",
+    "detect_launcher": "ddpkit.launchers",
+    "NetworkConfigError": "ddpkit.network",
+    "configure_network": "ddpkit.network",
+}
 
 __all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "BuildSummary",
     "DistInfo",
+    "DistributedEvalSampler",
+    "ImageError",
+    "LMDBFormatError",
     "LaunchEnv",
+    "LazyLMDBDataset",
     "NetworkConfigError",
     "RankFailedError",
     "RendezvousError",
@@ -29,6 +94,8 @@ __all__ = [
     "all_gather_object",
     "all_reduce_sum",
     "barrier",
+    "build_lmdb",
+    "build_loader",
     "configure_network",
     "detect_launcher",
     "get_local_rank",
@@ -36,6 +103,23 @@ __all__ = [
     "get_world_size",
     "init_distributed",
     "is_main_process",
+    "normalize_batch",
+    "set_epoch",
     "shutdown",
     "spawn",
+    "train_transform",
+    "val_transform",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

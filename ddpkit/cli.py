@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ddpkit._version import __version__
 
@@ -19,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_doctor(commands)
+    _add_lmdb(commands)
     return parser
 
 
@@ -57,6 +60,164 @@ def _run_doctor(args: argparse.Namespace) -> int:
     )
     print(doctor.format_report(checks))
     return doctor.exit_code(checks)
+
+
+def _add_lmdb(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    group = commands.add_parser(
+        "lmdb",
+        help="build, describe and verify LMDB image databases",
+        description="Build a ddpkit LMDB database from an ImageFolder tree, a list file or "
+        "Parquet files, describe one, or decode every image of one.",
+    )
+    actions = group.add_subparsers(dest="lmdb_command", metavar="ACTION", required=True)
+
+    build = actions.add_parser(
+        "build",
+        help="write SOURCE's images and labels into a new database at OUTPUT",
+        description="Write SOURCE's images and labels into a new database at OUTPUT. SOURCE "
+        "is an ImageFolder tree, a list file ('path,label' or 'path label' lines) or a Parquet "
+        "file or directory. Nothing appears at OUTPUT unless the build completes.",
+    )
+    build.add_argument("source", metavar="SOURCE")
+    build.add_argument("output", metavar="OUTPUT")
+    build.add_argument(
+        "--format",
+        dest="source_format",
+        choices=("auto", "imagefolder", "list", "parquet"),
+        default="auto",
+        help="how to read SOURCE (default: tell from the path)",
+    )
+    build.add_argument("--root", help="list files: base directory of relative paths")
+    build.add_argument("--image-column", default="image", help="Parquet image column")
+    build.add_argument("--label-column", default="label", help="Parquet label column")
+    build.add_argument("--workers", type=int, help="reading threads (default: usable CPUs)")
+    build.add_argument(
+        "--max-side", type=int, metavar="PX", help="shrink larger images to this longer side"
+    )
+    build.add_argument("--quality", type=int, default=90, help="JPEG quality of shrunk images")
+    build.add_argument(
+        "--check",
+        choices=("none", "header", "decode"),
+        default="header",
+        help="how hard to check each image (default: header)",
+    )
+    build.add_argument(
+        "--on-error",
+        choices=("fail", "skip"),
+        default="fail",
+        help="on a bad image: stop (default) or leave it out and list it",
+    )
+    build.add_argument(
+        "--map-size",
+        type=_byte_size,
+        metavar="BYTES",
+        help="first LMDB map size, e.g. 64K, 10M, 2G (default: 1G; it doubles when full)",
+    )
+    build.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
+    build.add_argument("--no-progress", action="store_true", help="no progress bar")
+    build.set_defaults(func=_run_lmdb_build)
+
+    info = actions.add_parser("info", help="describe a database")
+    info.add_argument("path", metavar="PATH")
+    info.add_argument("--json", action="store_true", help="print the description as JSON")
+    info.set_defaults(func=_run_lmdb_info)
+
+    verify = actions.add_parser(
+        "verify", help="decode every image of a database; exits 1 if any fails"
+    )
+    verify.add_argument("path", metavar="PATH")
+    verify.add_argument("--workers", type=int, help="decoding threads (default: usable CPUs)")
+    verify.set_defaults(func=_run_lmdb_verify)
+
+
+def _byte_size(text: str) -> int:
+    match = re.fullmatch(r"(\d+)\s*([KMGT]?)(I?B)?", text.strip().upper())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; write bytes or a number with K, M, G or T (64K, 10M, 2G)"
+        )
+    return int(match[1]) << (10 * " KMGT".index(match[2] or " "))
+
+
+def _reporting_errors(
+    run: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """Turn the errors a user can fix into ``error: ...`` on stderr and exit code 1."""
+
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except (ValueError, OSError) as exc:  # ImageError, LMDBFormatError, FileExistsError ...
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+
+    return handler
+
+
+@_reporting_errors
+def _run_lmdb_build(args: argparse.Namespace) -> int:
+    from ddpkit.data.lmdb_build import build_lmdb  # imports PIL, pyarrow: only when run
+
+    summary = build_lmdb(
+        args.source,
+        args.output,
+        source_format=args.source_format,
+        root=args.root,
+        image_column=args.image_column,
+        label_column=args.label_column,
+        workers=args.workers,
+        max_side=args.max_side,
+        quality=args.quality,
+        check=args.check,
+        on_error=args.on_error,
+        map_size=args.map_size,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    for where, reason in summary.skipped:
+        print(f"skipped {where}: {reason}")
+    print(summary.format())
+    return 0
+
+
+@_reporting_errors
+def _run_lmdb_info(args: argparse.Namespace) -> int:
+    from ddpkit.data.lmdb_build import describe_lmdb
+
+    info = describe_lmdb(args.path)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    size = info["size_bytes"]
+    print(f"path:     {info['path']}")
+    print(
+        f"format:   {info['format']} version {info['format_version']} "
+        f"(written by ddpkit {info['ddpkit_version']})"
+    )
+    print(f"samples:  {info['samples']}")
+    print(f"size:     {size / 2**20:.1f} MiB ({size} bytes)")
+    print(f"classes:  {len(info['classes'])}")
+    width = max((len(name) for name in info["classes"]), default=0)
+    for label, (name, count) in enumerate(info["classes"].items()):
+        print(f"  {label:>5}  {name:<{width}}  {count}")
+    print("metadata:")
+    for key, value in info["metadata"].items():
+        print(f"  {key}: {value}")
+    return 0
+
+
+@_reporting_errors
+def _run_lmdb_verify(args: argparse.Namespace) -> int:
+    from ddpkit.data.lmdb_build import _bad_samples
+
+    count, bad = _bad_samples(args.path, args.workers, progress=sys.stderr.isatty())
+    for index, name, reason in bad:
+        print(f"index {index} ({name}): {reason}" if name else f"index {index}: {reason}")
+    if bad:
+        print(f"{len(bad)} bad sample(s) in {args.path}", file=sys.stderr)
+        return 1
+    print(f"ok: {count} samples decode")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,32 @@
+"""Datasets, transforms and loaders: the LMDB format, its builder and dataset, loaders."""
+
+from ddpkit.data.lmdb_build import BuildSummary, ImageError, build_lmdb, describe_lmdb, verify_lmdb
+from ddpkit.data.lmdb_dataset import LazyLMDBDataset
+from ddpkit.data.lmdb_format import LMDBFormatError, read_index
+from ddpkit.data.loaders import DistributedEvalSampler, build_loader, set_epoch
+from ddpkit.data.transforms import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    normalize_batch,
+    train_transform,
+    val_transform,
+)
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "BuildSummary",
+    "DistributedEvalSampler",
+    "ImageError",
+    "LMDBFormatError",
+    "LazyLMDBDataset",
+    "build_lmdb",
+    "build_loader",
+    "describe_lmdb",
+    "normalize_batch",
+    "read_index",
+    "set_epoch",
+    "train_transform",
+    "val_transform",
+    "verify_lmdb",
+]

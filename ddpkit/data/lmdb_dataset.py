@@ -1,0 +1,327 @@
+"""``LazyLMDBDataset``: a map-style dataset over ddpkit LMDB databases, safe in any worker.
+
+The index (labels, class names) is read once in ``__init__`` with a
+short-lived environment, so ``len()`` and ``.targets`` come from the file.
+The environment that serves images opens lazily, once per process, on the
+first item a process reads: after ``fork`` a DataLoader worker closes its
+inherited copy and opens its own; under ``spawn``/``forkserver`` the dataset
+is pickled without it. Read-only and lock-free, so any number of ranks and
+workers can read one database at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import lmdb
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+try:  # torchvision's codecs are announced to move to TorchCodec; Pillow still decodes.
+    from torchvision.io import ImageReadMode, decode_image
+except ImportError:  # pragma: no cover - only without torchvision.io's image codecs
+    decode_image = None
+
+from ddpkit.data.lmdb_format import (
+    LEGACY_KEYS,
+    LMDBFormatError,
+    read_index,
+    sample_key,
+    shared_env,
+)
+
+__all__ = ["Decode", "LazyLMDBDataset"]
+
+Decode = Literal["tensor", "pil", "bytes"]
+_DECODES = ("tensor", "pil", "bytes")
+PathLike = str | os.PathLike[str]
+
+
+class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
+    """Images and labels from one or more ddpkit LMDB databases (shards, concatenated).
+
+    Args:
+        path: a database, or a list of them read as one dataset in order
+            (all must have the same classes).
+        transform: applied to the decoded image.
+        target_transform: applied to the integer label.
+        decode: ``"tensor"``: a uint8 ``CxHxW`` RGB tensor
+            (``torchvision.io.decode_image``; grayscale, CMYK and alpha are
+            converted); ``"pil"``: an RGB ``PIL.Image``; ``"bytes"``: the
+            stored bytes.
+        readahead: let the OS read ahead in the file. Off by default: random
+            access over a dataset larger than RAM only wastes I/O with it.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+        LMDBFormatError: a path is not a ddpkit LMDB (the message says how to
+            convert a folder2lmdb database) or the shards' classes differ.
+        ValueError: an unknown ``decode``.
+
+    Example:
+        >>> train = LazyLMDBDataset("data/train.lmdb", train_transform(224))
+        >>> len(train), train.classes[:3]
+    """
+
+    def __init__(
+        self,
+        path: PathLike | Sequence[PathLike],
+        transform: Callable[[Any], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        *,
+        decode: Decode = "tensor",
+        readahead: bool = False,
+    ) -> None:
+        if decode not in _DECODES:
+            raise ValueError(f"decode must be one of {_DECODES}, got {decode!r}")
+        paths = [path] if isinstance(path, str | os.PathLike) else list(path)
+        if not paths:
+            raise ValueError("LazyLMDBDataset needs at least one database path")
+        self.paths = tuple(os.fspath(p) for p in paths)
+        self.transform = transform
+        self.target_transform = target_transform
+        self.decode = decode
+        self.readahead = readahead
+        self._load_index()
+        self._envs: list[lmdb.Environment] | None = None
+        self._envs_pid = -1
+        self._targets: list[int] | None = None
+
+    def _load_index(self) -> None:
+        indexes = [read_index(p) for p in self.paths]
+        first = indexes[0].classes
+        for p, ix in zip(self.paths[1:], indexes[1:], strict=True):
+            if ix.classes != first:
+                raise LMDBFormatError(
+                    f"shards disagree on the classes: {self.paths[0]} has {len(first)} "
+                    f"({_preview(first)}), {p} has {len(ix.classes)} ({_preview(ix.classes)}). "
+                    "Build every shard with the same class list."
+                )
+        self.classes: list[str] = list(first)
+        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        self._labels = np.concatenate([ix.labels for ix in indexes]).astype(np.int64)
+        self._labels.flags.writeable = False
+        self._starts = [0]
+        for ix in indexes:
+            self._starts.append(self._starts[-1] + len(ix))
+
+    # -- what torchvision's ImageFolder offers -------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    @property
+    def labels(self) -> np.ndarray:
+        """The label of every sample as a read-only ``int64`` array (cheap for millions)."""
+        return self._labels
+
+    @property
+    def targets(self) -> list[int]:
+        """The label of every sample as a list, as ``ImageFolder.targets``."""
+        if self._targets is None:
+            self._targets = self._labels.tolist()
+        return self._targets
+
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} is out of range for {n} samples")
+        index %= n
+        raw, label = self._record(index)
+        image = self._decode(raw, index)
+        if self.transform is not None:
+            image = self.transform(image)
+        target: Any = label if self.target_transform is None else self.target_transform(label)
+        return image, target
+
+    def __getstate__(self) -> dict[str, Any]:
+        # An LMDB environment belongs to the process that opened it: never pickle it.
+        state = self.__dict__.copy()
+        state["_envs"], state["_envs_pid"], state["_targets"] = None, -1, None
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({len(self)} samples, {len(self.classes)} classes, "
+            f"decode={self.decode!r}, shards={list(self.paths)})"
+        )
+
+    # -- reading -------------------------------------------------------------------------
+
+    def _env(self, shard: int) -> lmdb.Environment:
+        if self._envs is None or self._envs_pid != os.getpid():
+            # First read in this process (or first after a fork): open lazily.
+            self._envs = [shared_env(p, readahead=self.readahead) for p in self.paths]
+            self._envs_pid = os.getpid()
+        return self._envs[shard]
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        shard = bisect.bisect_right(self._starts, index) - 1
+        return shard, index - self._starts[shard]
+
+    def _record(self, index: int) -> tuple[bytearray, int]:
+        shard, local = self._locate(index)
+        with self._env(shard).begin(buffers=True) as txn:
+            buf = txn.get(sample_key(local))
+            if buf is None:
+                raise LMDBFormatError(
+                    f"{self.paths[shard]}: record {local} (sample {index}) is missing; "
+                    "the database is damaged: check it with `ddpkit lmdb verify` and rebuild"
+                )
+            # Copy out of the memory map before the transaction ends; bytearray
+            # is writable, so torch can wrap it without another copy.
+            return bytearray(buf), int(self._labels[index])
+
+    def _decode(self, raw: bytearray, index: int) -> Any:
+        if self.decode == "bytes":
+            return bytes(raw)
+        try:
+            if self.decode == "pil":
+                return _to_rgb(Image.open(io.BytesIO(raw)))
+            return _decode_tensor(raw)
+        except Exception as exc:
+            shard, local = self._locate(index)
+            raise LMDBFormatError(
+                f"sample {index} (record {local} of {self.paths[shard]}) does not decode as an "
+                f"image: {type(exc).__name__}: {exc}. `ddpkit lmdb verify "
+                f"{self.paths[shard]}` lists every bad record."
+            ) from exc
+
+    # -- the old pickled layout ----------------------------------------------------------
+
+    @classmethod
+    def from_legacy(
+        cls,
+        path: PathLike,
+        transform: Callable[[Any], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        *,
+        allow_pickle: bool = False,
+        decode: Decode = "pil",
+        readahead: bool = False,
+    ) -> LazyLMDBDataset:
+        """Read a folder2lmdb-style database: pickled ``(image_bytes, label)`` values.
+
+        **Unsafe for files you did not make yourself**: unpickling a record can
+        run arbitrary code, so this needs ``allow_pickle=True``. Rebuilding the
+        database with ``ddpkit lmdb build`` gives the safe, faster format.
+        Databases written with ``pyarrow.serialize`` cannot be read at all:
+        pyarrow removed that format (deprecated in 2.0, gone in 12.0).
+
+        Raises:
+            ValueError: ``allow_pickle`` is not True.
+            LMDBFormatError: not the folder2lmdb layout, or a pyarrow-serialized one.
+        """
+        if allow_pickle is not True:
+            raise ValueError(
+                "from_legacy() unpickles every record, and unpickling can run arbitrary code: "
+                "pass allow_pickle=True only for a database you made yourself, or rebuild it "
+                "with `ddpkit lmdb build` (no pickle)"
+            )
+        return _LegacyLMDBDataset(path, transform, target_transform, decode, readahead)
+
+
+class _LegacyLMDBDataset(LazyLMDBDataset):
+    """The pickled folder2lmdb layout: ``__keys__`` and ``__len__`` records, tuple values."""
+
+    def __init__(
+        self,
+        path: PathLike,
+        transform: Callable[[Any], Any] | None,
+        target_transform: Callable[[int], Any] | None,
+        decode: Decode,
+        readahead: bool,
+    ) -> None:
+        if decode not in _DECODES:
+            raise ValueError(f"decode must be one of {_DECODES}, got {decode!r}")
+        self.paths = (os.fspath(path),)
+        self.transform = transform
+        self.target_transform = target_transform
+        self.decode = decode
+        self.readahead = readahead
+        self._envs, self._envs_pid, self._targets = None, -1, None
+        with self._env(0).begin() as txn:
+            raw_keys, raw_len = (txn.get(k) for k in LEGACY_KEYS)
+        if raw_keys is None or raw_len is None:
+            raise LMDBFormatError(
+                f"{self.paths[0]}: no __keys__/__len__ records, so not a folder2lmdb database"
+            )
+        self._keys: list[bytes] = list(_legacy_loads(raw_keys, self.paths[0]))
+        self._starts = [0, len(self._keys)]
+        self._legacy_labels: np.ndarray | None = None
+        self.classes, self.class_to_idx = [], {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Every label; the old layout keeps them in the records, so this reads them all once."""
+        if self._legacy_labels is None:
+            self._legacy_labels = np.array(
+                [self._record(i)[1] for i in range(len(self))], dtype=np.int64
+            )
+        return self._legacy_labels
+
+    @property
+    def targets(self) -> list[int]:
+        return list(self.labels.tolist())
+
+    def _record(self, index: int) -> tuple[bytearray, int]:
+        with self._env(0).begin() as txn:
+            value = txn.get(self._keys[index])
+        if value is None:
+            raise LMDBFormatError(f"{self.paths[0]}: key {self._keys[index]!r} is missing")
+        image, label = _legacy_loads(value, self.paths[0])[:2]
+        return bytearray(image), int(label)
+
+
+def _legacy_loads(value: bytes, path: str) -> Any:
+    if not value.startswith(b"\x80"):  # every pickle of protocol 2 or later starts so
+        raise LMDBFormatError(
+            f"{path}: the records are not pickles; they look like pyarrow.serialize output, "
+            "a format pyarrow removed (deprecated in 2.0, gone in 12.0), so no current "
+            "library reads it. Rebuild the database from the images with `ddpkit lmdb build`; "
+            "if only the database is left, export the images once in an environment with "
+            "pyarrow<12 and build from them."
+        )
+    return pickle.loads(value)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    # As torchvision's ImageFolder loader does: alpha is dropped, not composited,
+    # so decode="pil" and decode="tensor" see the same pixels.
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _decode_tensor(raw: bytearray) -> torch.Tensor:
+    if decode_image is None:
+        return _decode_with_pillow(raw)
+    try:
+        image: torch.Tensor = decode_image(
+            torch.frombuffer(raw, dtype=torch.uint8), mode=ImageReadMode.RGB
+        )
+    except RuntimeError:
+        return _decode_with_pillow(raw)  # formats torchvision does not decode: BMP, TIFF ...
+    if image.ndim == 4:  # an animated image: its first frame
+        image = image[0]
+    if image.dtype != torch.uint8:  # 16-bit PNG
+        image = (image.to(torch.float32) / 257.0).round().to(torch.uint8)
+    return image
+
+
+def _decode_with_pillow(raw: bytearray) -> torch.Tensor:
+    array = np.array(_to_rgb(Image.open(io.BytesIO(raw))))
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+def _preview(classes: Sequence[str]) -> str:
+    shown = ", ".join(classes[:4])
+    return shown + (", ..." if len(classes) > 4 else "")

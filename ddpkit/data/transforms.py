@@ -1,0 +1,247 @@
+"""ImageNet-style train/val transforms and device-side normalisation.
+
+``decode="tensor"`` (the default) maps a uint8 CHW RGB tensor to a uint8 crop,
+*not* normalised: uint8 batches are four times smaller than float32 ones to move
+from the workers to the GPU, where :func:`normalize_batch` converts them.
+``decode="pil"`` is the classic ``torchvision.transforms`` pipeline on PIL images.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, cast
+
+import torch
+import torch.nn.functional as nnf
+from torchvision import transforms as tv1
+from torchvision.transforms.v2 import functional as tvf
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "normalize_batch", "train_transform", "val_transform"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+_Transform = Callable[[Any], torch.Tensor]
+_ATTEMPTS = 10  # crop boxes RandomResizedCrop tries before its central fallback
+
+
+class _TensorTrainTransform:
+    """RandomResizedCrop + RandomHorizontalFlip on a uint8 CHW tensor.
+
+    Draws the crop box as ``v2.RandomResizedCrop`` does (same distribution and
+    fallback) from one ``torch.rand`` call and calls ``interpolate`` directly:
+    on one core, 15-45 % more photos per second than the v2 classes.
+    """
+
+    def __init__(self, size: int, scale: tuple[float, float], ratio: tuple[float, float]) -> None:
+        self.size, self.scale, self.ratio = size, scale, ratio
+        self._log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+
+    def _box(self, height: int, width: int, u: list[float]) -> tuple[int, int, int, int]:
+        area = height * width
+        (s0, s1), (r0, r1) = self.scale, self._log_ratio
+        for k in range(_ATTEMPTS):
+            us, ur, ut, ul = u[4 * k : 4 * k + 4]
+            target_area = area * (s0 + us * (s1 - s0))
+            aspect = math.exp(r0 + ur * (r1 - r0))
+            w = round(math.sqrt(target_area * aspect))
+            h = round(math.sqrt(target_area / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                return int(ut * (height - h + 1)), int(ul * (width - w + 1)), h, w
+        # No draw fitted: a central crop as large as the ratio range allows.
+        aspect = min(max(width / height, self.ratio[0]), self.ratio[1])
+        w, h = min(width, round(height * aspect)), min(height, round(width / aspect))
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        _check_chw(img)
+        u = torch.rand(4 * _ATTEMPTS + 1, dtype=torch.float64).tolist()
+        top, left, h, w = self._box(img.shape[-2], img.shape[-1], u)
+        crop = img[:, top : top + h, left : left + w]
+        if img.device.type == "cpu":
+            # interpolate has a native uint8 kernel on the CPU; elsewhere let
+            # torchvision pick a dtype the device supports.
+            out = nnf.interpolate(crop[None], (self.size,) * 2, mode="bilinear", antialias=True)[0]
+        else:
+            out = tvf.resize(crop, [self.size, self.size], antialias=True)
+        # contiguous() before flip: a channels-last input gives a channels-last
+        # resize, and flip of a contiguous tensor is contiguous (one copy, not two).
+        out = out.contiguous()
+        return out.flip(-1) if u[-1] < 0.5 else out
+
+    def __repr__(self) -> str:
+        return f"train_transform({self.size}, scale={self.scale}, ratio={self.ratio})"
+
+
+class _TensorValTransform:
+    """Resize the shorter side, then CenterCrop, on a uint8 CHW tensor."""
+
+    def __init__(self, size: int, resize: int) -> None:
+        self.size, self.resize = size, resize
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        _check_chw(img)
+        out: torch.Tensor = tvf.center_crop(tvf.resize(img, [self.resize]), [self.size] * 2)
+        return out.contiguous()
+
+    def __repr__(self) -> str:
+        return f"val_transform({self.size}, {self.resize})"
+
+
+def _check_chw(img: Any) -> None:
+    if not isinstance(img, torch.Tensor):
+        raise TypeError(
+            f"decode='tensor' transforms take a uint8 CHW tensor, got {type(img).__name__}; "
+            "use decode='pil' for PIL images, or convert them with pil_to_tensor"
+        )
+    if img.dim() != 3:
+        raise ValueError(
+            f"expected one CHW image, got shape {tuple(img.shape)}; transform each image "
+            "(in the dataset) before batching"
+        )
+
+
+def _check_args(decode: str, sizes: dict[str, int], pairs: dict[str, tuple[float, float]]) -> None:
+    if decode not in ("tensor", "pil"):
+        raise ValueError(f"decode must be 'tensor' or 'pil', got {decode!r}")
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name} must be a positive number of pixels, got {value}")
+    for name, (lo, hi) in pairs.items():
+        if not 0 < lo <= hi:
+            raise ValueError(f"{name} must be (low, high) with 0 < low <= high, got {(lo, hi)}")
+
+
+def _pil_pipeline(steps: list[Any], mean: Sequence[float], std: Sequence[float]) -> _Transform:
+    return cast(_Transform, tv1.Compose([*steps, tv1.ToTensor(), tv1.Normalize(mean, std)]))
+
+
+def train_transform(
+    size: int = 224,
+    *,
+    decode: Literal["tensor", "pil"] = "tensor",
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+) -> Callable[[Any], torch.Tensor]:
+    """Return the ImageNet training augmentation: RandomResizedCrop + RandomHorizontalFlip.
+
+    Random draws come from torch's global RNG (DataLoader seeds it per worker).
+
+    Args:
+        size: side of the square output crop, in pixels.
+        decode: ``"tensor"`` for uint8 CHW RGB tensor input and uint8
+            ``(3, size, size)`` contiguous output, not normalised (call
+            :func:`normalize_batch` on the device); ``"pil"`` for ``PIL.Image``
+            RGB input and normalised float32 output.
+        scale: range of the crop's area, as a fraction of the image's area.
+        ratio: range of the crop's aspect ratio (width / height), drawn log-uniformly.
+        mean: per-channel mean for ``Normalize``; used with ``decode="pil"`` only.
+        std: per-channel standard deviation; used with ``decode="pil"`` only.
+
+    Returns:
+        A picklable callable taking one image.
+
+    Raises:
+        ValueError: ``decode`` is not ``"tensor"`` or ``"pil"``, ``size`` is not
+            positive, or ``scale`` / ``ratio`` is not an increasing positive pair.
+
+    Example:
+        >>> dataset = LazyLMDBDataset("train.lmdb", transform=train_transform(224))
+        >>> images = normalize_batch(images.cuda(non_blocking=True))
+    """
+    _check_args(decode, {"size": size}, {"scale": scale, "ratio": ratio})
+    if decode == "tensor":
+        return _TensorTrainTransform(size, (scale[0], scale[1]), (ratio[0], ratio[1]))
+    crop = [tv1.RandomResizedCrop(size, scale=scale, ratio=ratio), tv1.RandomHorizontalFlip()]
+    return _pil_pipeline(crop, mean, std)
+
+
+def val_transform(
+    size: int = 224,
+    resize: int = 256,
+    *,
+    decode: Literal["tensor", "pil"] = "tensor",
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+) -> Callable[[Any], torch.Tensor]:
+    """Return the ImageNet evaluation transform: Resize(resize) + CenterCrop(size).
+
+    Args:
+        size: side of the square output crop, in pixels.
+        resize: the shorter side is resized to this many pixels before cropping.
+        decode: ``"tensor"`` (uint8 CHW in, uint8 out, not normalised) or ``"pil"``
+            (``PIL.Image`` in, normalised float32 out); see :func:`train_transform`.
+        mean: per-channel mean for ``Normalize``; used with ``decode="pil"`` only.
+        std: per-channel standard deviation; used with ``decode="pil"`` only.
+
+    Returns:
+        A picklable, deterministic callable taking one image.
+
+    Raises:
+        ValueError: ``decode`` is invalid, or ``size`` or ``resize`` is not positive.
+
+    Example:
+        >>> val_set = LazyLMDBDataset("val.lmdb", transform=val_transform(224, 256))
+    """
+    _check_args(decode, {"size": size, "resize": resize}, {})
+    if decode == "tensor":
+        return _TensorValTransform(size, resize)
+    return _pil_pipeline([tv1.Resize(resize), tv1.CenterCrop(size)], mean, std)
+
+
+_Stats = tuple[tuple[float, ...], tuple[float, ...], float]  # mean, std, pixel range
+
+
+@functools.lru_cache(maxsize=64)
+def _affine(stats: _Stats, dev: torch.device, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # Cached so that a training step does not copy two tiny tensors to the
+    # GPU (a synchronising host-to-device copy) on every call.
+    mean, std, pixel = stats
+    scale = torch.tensor([1.0 / (pixel * s) for s in std], dtype=torch.float64)
+    shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)], dtype=torch.float64)
+    return scale.view(-1, 1, 1).to(dev, dt), shift.view(-1, 1, 1).to(dev, dt)
+
+
+def normalize_batch(
+    x: torch.Tensor,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Convert a uint8 image batch to ``dtype`` and normalise it, on ``x``'s device.
+
+    Computes ``(x / 255 - mean) / std`` per channel as ``x.to(dtype) * scale -
+    shift`` in place on the converted copy. A floating-point ``x`` is taken to be
+    in [0, 1] already: only ``(x - mean) / std``. ``x`` itself is not modified;
+    its memory format (channels_last too) is kept. In bfloat16 errors reach ~1e-2.
+
+    Args:
+        x: uint8 (0..255) or floating (0..1) images, NCHW or CHW.
+        mean: per-channel mean of the [0, 1] pixel values.
+        std: per-channel standard deviation of the [0, 1] pixel values.
+        dtype: the floating dtype of the result.
+
+    Returns:
+        A new tensor of ``dtype`` with ``x``'s shape, device and memory format.
+
+    Raises:
+        ValueError: ``x.shape[-3]`` (channels) differs from ``len(mean)`` or ``len(std)``.
+
+    Example:
+        >>> for images, targets in loader:
+        ...     images = normalize_batch(images.to(device, non_blocking=True))
+    """
+    if x.dim() < 3 or not x.shape[-3] == len(mean) == len(std):
+        raise ValueError(
+            f"normalize_batch expects NCHW or CHW images with {len(mean)} channels (one per "
+            f"mean value; {len(std)} std values), got shape {tuple(x.shape)}; pass mean and "
+            "std with one value per channel, or move the channels to dimension -3"
+        )
+    pixel = 1.0 if x.is_floating_point() else 255.0
+    scale, shift = _affine((tuple(mean), tuple(std), pixel), x.device, dtype)
+    return x.to(dtype=dtype, copy=True).mul_(scale).sub_(shift)
