@@ -14,6 +14,13 @@ from ddpkit._version import __version__
 
 if TYPE_CHECKING:
     from ddpkit._procs import RankFailedError
+    from ddpkit.checkpoint import (
+        CheckpointError,
+        CheckpointManager,
+        load_checkpoint,
+        rank0_only,
+        save_checkpoint,
+    )
     from ddpkit.comm import (
         all_gather_object,
         all_reduce_sum,
@@ -41,7 +48,10 @@ if TYPE_CHECKING:
     from ddpkit.dist import DistInfo, RendezvousError, init_distributed, shutdown
     from ddpkit.launch import spawn
     from ddpkit.launchers import LaunchEnv, detect_launcher
+    from ddpkit.losses import FocalLoss
     from ddpkit.network import NetworkConfigError, configure_network
+    from ddpkit.parallel import no_sync, unwrap_model, wrap_ddp
+    from ddpkit.train import History, TrainingError, evaluate, fit
 
 # Public name -> the module that defines it.
 _EXPORTS = {
@@ -75,14 +85,31 @@ _EXPORTS = {
     "detect_launcher": "ddpkit.launchers",
     "NetworkConfigError": "ddpkit.network",
     "configure_network": "ddpkit.network",
+    "CheckpointError": "ddpkit.checkpoint",
+    "CheckpointManager": "ddpkit.checkpoint",
+    "load_checkpoint": "ddpkit.checkpoint",
+    "rank0_only": "ddpkit.checkpoint",
+    "save_checkpoint": "ddpkit.checkpoint",
+    "FocalLoss": "ddpkit.losses",
+    "no_sync": "ddpkit.parallel",
+    "unwrap_model": "ddpkit.parallel",
+    "wrap_ddp": "ddpkit.parallel",
+    "History": "ddpkit.train",
+    "TrainingError": "ddpkit.train",
+    "evaluate": "ddpkit.train",
+    "fit": "ddpkit.train",
 }
 
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "BuildSummary",
+    "CheckpointError",
+    "CheckpointManager",
     "DistInfo",
     "DistributedEvalSampler",
+    "FocalLoss",
+    "History",
     "ImageError",
     "LMDBFormatError",
     "LaunchEnv",
@@ -90,6 +117,7 @@ __all__ = [
     "NetworkConfigError",
     "RankFailedError",
     "RendezvousError",
+    "TrainingError",
     "__version__",
     "all_gather_object",
     "all_reduce_sum",
@@ -98,17 +126,25 @@ __all__ = [
     "build_loader",
     "configure_network",
     "detect_launcher",
+    "evaluate",
+    "fit",
     "get_local_rank",
     "get_rank",
     "get_world_size",
     "init_distributed",
     "is_main_process",
+    "load_checkpoint",
+    "no_sync",
     "normalize_batch",
+    "rank0_only",
+    "save_checkpoint",
     "set_epoch",
     "shutdown",
     "spawn",
     "train_transform",
+    "unwrap_model",
     "val_transform",
+    "wrap_ddp",
 ]
 
 

@@ -19,7 +19,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.distributed as dist
@@ -72,8 +71,10 @@ def _child_entry(
     else:
         try:
             # Pickle here, not in the queue's feeder thread, where an error
-            # would only be printed and the parent would wait in vain.
-            report = (index, True, bytes(ForkingPickler.dumps(value)), "", 0.0)
+            # would only be printed and the parent would wait in vain. Plain
+            # pickle, not multiprocessing's: that one sends tensors as shared
+            # memory handles, which die with this process.
+            report = (index, True, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), "", 0.0)
         except Exception as exc:
             report = _failure_report(
                 index,

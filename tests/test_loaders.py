@@ -111,10 +111,12 @@ def test_loaders_split_the_data_across_real_ranks() -> None:
 def test_global_batch_is_divided_over_the_ranks() -> None:
     loader = build_loader(_Indices(100), global_batch_size=64, train=True, workers=0, info=_info())
     assert loader.batch_size == 16
-    assert isinstance(loader.sampler, DistributedSampler)
-    assert (loader.sampler.num_replicas, loader.sampler.rank) == (4, 1)
-    assert loader.sampler.shuffle
-    assert loader.sampler.drop_last
+    # Training samplers hand out (epoch, index) pairs around torch's sampler.
+    inner = loader.sampler.inner  # type: ignore[attr-defined]
+    assert isinstance(inner, DistributedSampler)
+    assert (inner.num_replicas, inner.rank) == (4, 1)
+    assert inner.shuffle
+    assert inner.drop_last
     assert loader.drop_last
 
 
@@ -156,7 +158,7 @@ def test_single_process_samplers_and_defaults() -> None:
     info = _info(0, 1, 1)
     train = build_loader(_Indices(10), batch_size=3, train=True, workers=0, info=info)
     evaluation = build_loader(_Indices(10), batch_size=3, train=False, workers=0, info=info)
-    assert isinstance(train.sampler, RandomSampler)
+    assert isinstance(train.sampler.inner, RandomSampler)  # type: ignore[attr-defined]
     assert train.drop_last
     assert isinstance(evaluation.sampler, SequentialSampler)
     assert not evaluation.drop_last
@@ -256,3 +258,62 @@ def test_set_epoch_leaves_samplers_without_it_alone() -> None:
     loader = build_loader(_Indices(4), batch_size=2, train=False, workers=0, info=_info(0, 1, 1))
     set_epoch(loader, 5)
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+
+
+class _RandomCrops(Dataset[tuple[int, float]]):
+    """Stands in for random augmentation: each item draws from all three RNGs."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> tuple[int, float]:
+        return index, float(torch.rand(1)) + random.random() + float(np.random.rand())
+
+
+def _augmentations(
+    workers: int, persistent: bool, epochs: list[int]
+) -> dict[tuple[int, int], float]:
+    loader = build_loader(
+        _RandomCrops(),
+        batch_size=4,
+        train=True,
+        workers=workers,
+        seed=7,
+        info=_info(0, 1, 1),
+        persistent_workers=persistent,
+    )
+    seen = {}
+    for epoch in epochs:
+        set_epoch(loader, epoch)
+        for indices, values in loader:
+            seen.update({(epoch, int(i)): float(v) for i, v in zip(indices, values, strict=True)})
+    return seen
+
+
+def test_augmentation_depends_only_on_seed_epoch_and_sample() -> None:
+    straight = _augmentations(0, False, [0, 1, 2])
+    assert len(straight) == 36  # every sample in every epoch
+    assert straight[(0, 3)] != straight[(1, 3)]  # a new draw each epoch
+    # Any worker count, persistent or not, and a "resumed" loader started at epoch 2:
+    assert _augmentations(2, True, [0, 1, 2]) == straight
+    assert _augmentations(1, False, [0, 1, 2]) == straight
+    resumed = _augmentations(2, True, [2])
+    assert resumed == {k: v for k, v in straight.items() if k[0] == 2}
+
+
+def test_in_process_loading_leaves_the_training_rngs_alone() -> None:
+    loader = build_loader(_RandomCrops(), batch_size=4, train=True, workers=0, info=_info(0, 1, 1))
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    list(loader)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_epochs_advance_without_set_epoch() -> None:
+    loader = build_loader(_RandomCrops(), batch_size=12, train=True, workers=0, info=_info(0, 1, 1))
+    first, second = (next(iter(loader))[0].tolist() for _ in range(2))
+    set_epoch(loader, 0)
+    again = next(iter(loader))[0].tolist()
+    assert first == again  # epoch 0 again
+    assert first != second  # the second pass was epoch 1, not a repeat of epoch 0

@@ -140,3 +140,12 @@ def test_init_none_starts_processes_without_a_group() -> None:
         (0, False, None),
         (1, False, None),
     ]
+
+
+def _tensor_result(rank: int, world_size: int) -> torch.Tensor:
+    return torch.full((1000,), float(rank))
+
+
+def test_tensors_come_back_after_the_ranks_exit() -> None:
+    out = run_distributed(_tensor_result, 2, timeout=60)
+    assert [float(t.sum()) for t in out] == [0.0, 1000.0]

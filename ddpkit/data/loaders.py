@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable, Iterator, Sized
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ from torch.utils.data import (
     RandomSampler,
     Sampler,
     SequentialSampler,
+    get_worker_info,
 )
 
 from ddpkit import comm
@@ -89,6 +92,101 @@ class _EpochRandomSampler(RandomSampler):
     def set_epoch(self, epoch: int) -> None:
         assert self.generator is not None
         self.generator.manual_seed(self.seed + epoch)
+
+
+class _EpochIndexSampler(Sampler[tuple[int, int]]):
+    """Yield ``(epoch, index)`` pairs, so a worker knows which epoch a sample belongs to.
+
+    ``set_epoch`` is passed on to the wrapped sampler. An epoch started without
+    it follows the previous one (epoch + 1), so forgetting the call no longer
+    repeats the first epoch's order and augmentations.
+    """
+
+    def __init__(self, inner: Sampler[int]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.epoch = 0
+        self._epoch_given = False
+        self._started = False
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._epoch_given = True
+        setter = getattr(self.inner, "set_epoch", None)
+        if callable(setter):
+            setter(epoch)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        if self._started and not self._epoch_given:
+            self.set_epoch(self.epoch + 1)
+        self._started, self._epoch_given = True, False
+        epoch = self.epoch
+        return ((epoch, index) for index in self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+
+class _SeededSamples(Dataset[Any]):
+    """Draw each sample's augmentation from RNGs seeded by ``(seed, epoch, index)``.
+
+    A sample's random crop is then the same whichever worker loads it, however
+    many workers there are, whether they persist between epochs, and whether
+    the run was resumed from a checkpoint: that is what makes a resumed run
+    bit-identical to an uninterrupted one. The rank is not part of the seed, so
+    the augmentations do not depend on the world size either.
+    """
+
+    def __init__(self, dataset: Dataset[Any], seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        with _seeded(_sample_seed(self.seed, epoch, index)):
+            return self.dataset[index]
+
+    def __getattr__(self, name: str) -> Any:
+        # .classes, .targets ... of the wrapped dataset; guard against lookups
+        # before __init__ ran (unpickling), which would recurse.
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _sample_seed(seed: int, epoch: int, index: int) -> int:
+    # splitmix64 over a combination that is unique for (seed, epoch, index)
+    # within any realistic range: 2**32 samples, 2**24 epochs.
+    x = ((seed & 0xFFFFFFFF) << 88 | (epoch & 0xFFFFFF) << 64 | index) & ((1 << 120) - 1)
+    z = (x ^ (x >> 64)) & _MASK64
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    # In a worker the RNGs are the worker's own; in this process (workers=0)
+    # they are the training loop's, so they are put back afterwards.
+    in_worker = get_worker_info() is not None
+    saved = None if in_worker else (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.default_generator.manual_seed(seed)  # the CPU generator only, not CUDA's
+    try:
+        yield
+    finally:
+        if saved is not None:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.set_rng_state(saved[2])
 
 
 def set_epoch(loader: DataLoader[Any], epoch: int) -> None:
@@ -259,11 +357,16 @@ def build_loader(
     else:
         sampler = SequentialSampler(sized)
 
+    loaded: Dataset[Any] = dataset
+    if train:
+        # Augmentations seeded per (seed, epoch, sample): reproducible and resumable.
+        loaded, sampler = _SeededSamples(dataset, seed), _EpochIndexSampler(sampler)  # type: ignore[assignment]
+
     # DataLoader refuses worker options without workers; dropping them lets a
     # script switch to workers=0 for debugging and change nothing else.
     in_workers = workers > 0
     return DataLoader(
-        dataset,
+        loaded,
         batch_size=per_process,
         sampler=sampler,
         num_workers=workers,

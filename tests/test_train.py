@@ -1,0 +1,249 @@
+"""fit() and evaluate(): DDP equivalences, exact metrics, bit-exact resume, AMP, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from train_jobs import NoisyBlobs, small_net, train_run
+
+from ddpkit import CheckpointManager, build_loader, evaluate, fit, wrap_ddp
+from ddpkit.checkpoint import load_checkpoint
+from ddpkit.dist import DistInfo
+from ddpkit.metrics import topk_correct
+from ddpkit.testing import run_distributed
+from ddpkit.train import TrainingError
+
+
+def _info(rank: int = 0, world: int = 1) -> DistInfo:
+    return DistInfo(
+        rank, rank, world, world, 0, torch.device("cpu"), "gloo" if world > 1 else None, world > 1
+    )
+
+
+@pytest.mark.timeout(300)
+def test_resume_is_bit_exact(tmp_path: Path) -> None:
+    straight = run_distributed(train_run, 2, args=(str(tmp_path / "a"), 4, False), timeout=240)
+    run_distributed(train_run, 2, args=(str(tmp_path / "b"), 2, False), timeout=240)
+    # A fresh set of processes picks up from epoch 2's checkpoint:
+    resumed = run_distributed(train_run, 2, args=(str(tmp_path / "b"), 4, True), timeout=240)
+    for rank in range(2):
+        assert straight[rank].keys() == resumed[rank].keys()
+        for key, value in straight[rank].items():
+            assert torch.equal(value, resumed[rank][key]), f"rank {rank}: {key} differs"
+    # Something was learnt, and both ranks hold the same weights (DDP).
+    assert not torch.equal(straight[0]["0.weight"], small_net().state_dict()["0.weight"])
+    assert torch.equal(straight[0]["0.weight"], straight[1]["0.weight"])
+
+
+def _fixed_logits_model(logits: torch.Tensor) -> nn.Module:
+    class Lookup(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(logits.clone())
+
+        def forward(self, index: torch.Tensor) -> torch.Tensor:
+            return self.table[index]
+
+    return Lookup()
+
+
+def _val_data(n: int = 23, classes: int = 7) -> tuple[TensorDataset, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(n, classes, generator=g)
+    targets = torch.randint(0, classes, (n,), generator=g)
+    return TensorDataset(torch.arange(n), targets), logits
+
+
+def _evaluate_on_ranks(rank: int, world_size: int) -> dict[str, float]:
+    data, logits = _val_data()
+    loader = build_loader(data, batch_size=4, train=False, workers=0, info=_info(rank, world_size))
+    model = wrap_ddp(_fixed_logits_model(logits))
+    return evaluate(model, loader, criterion=nn.CrossEntropyLoss(), normalize=None)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_evaluate_is_exact_across_ranks(world_size: int) -> None:
+    data, logits = _val_data()
+    single = evaluate(
+        _fixed_logits_model(logits),
+        build_loader(data, batch_size=5, train=False, workers=0, info=_info()),
+        criterion=nn.CrossEntropyLoss(),
+        normalize=None,
+    )
+    targets = data.tensors[1]
+    assert single["samples"] == 23
+    assert single["acc1"] == 100.0 * int((logits.argmax(1) == targets).sum()) / 23
+    assert single["loss"] == pytest.approx(
+        float(nn.functional.cross_entropy(logits.double(), targets)), rel=1e-12
+    )
+    for out in run_distributed(_evaluate_on_ranks, world_size, timeout=120):
+        assert out["samples"] == 23  # every sample once: no padding, no duplicates
+        assert out["acc1"] == single["acc1"]
+        assert out["acc5"] == single["acc5"]
+        assert out["loss"] == pytest.approx(single["loss"], rel=1e-12)
+
+
+def test_topk_correct_counts() -> None:
+    logits = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.15, 0.05], [0.2, 0.3, 0.5]])
+    targets = torch.tensor([1, 2, 0])
+    assert topk_correct(logits, targets, (1, 2, 5)).tolist() == [1, 1, 3]
+
+
+def _linear_data(n: int = 32) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 6, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def _train_linear(grad_accum: int, batch_size: int, epochs: int = 2) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Linear(6, 2)
+    loader = build_loader(
+        _linear_data(), batch_size=batch_size, train=True, workers=0, info=_info()
+    )
+    fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        epochs=epochs,
+        grad_accum=grad_accum,
+        normalize=None,
+        progress=False,
+    )
+    return model
+
+
+def test_gradient_accumulation_equals_a_larger_batch() -> None:
+    # 2 micro-batches of 4 = one batch of 8, when the order of samples is the same:
+    # the sampler's order depends on the seed and epoch only, not the batch size.
+    accumulated = _train_linear(grad_accum=2, batch_size=4)
+    large = _train_linear(grad_accum=1, batch_size=8)
+    for a, b in zip(accumulated.parameters(), large.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_amp_on_cpu_runs_and_checkpoints_the_scaler(amp: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+    loader = build_loader(_linear_data(), batch_size=8, train=True, workers=0, info=_info())
+    val = build_loader(_linear_data(), batch_size=8, train=False, workers=0, info=_info())
+    history = fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        epochs=2,
+        val_loader=val,
+        amp=amp,  # type: ignore[arg-type]
+        checkpoints=CheckpointManager(tmp_path),
+        normalize=None,
+        progress=False,
+        log_dir=tmp_path / "logs",
+    )
+    assert len(history.records) == 2
+    assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in history.records)
+    state = load_checkpoint(tmp_path / "latest.pth")
+    assert state["epoch"] == 1
+    if amp == "fp16":
+        assert state["scaler"]["scale"] > 0  # GradScaler state saved
+    else:
+        assert not state.get("scaler")
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [0, 1]
+    assert "val_acc1" in json.loads(lines[-1])
+
+
+def test_non_finite_loss_names_epoch_and_step() -> None:
+    model = nn.Linear(6, 2)
+    loader = build_loader(_linear_data(), batch_size=8, train=True, workers=0, info=_info())
+    calls = {"n": 0}
+
+    def exploding(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        loss = nn.functional.cross_entropy(logits, targets)
+        return loss * float("nan") if calls["n"] == 7 else loss  # epoch 1, step 2
+
+    with pytest.raises(TrainingError, match="in epoch 1, step 2"):
+        fit(
+            model,
+            loader,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=exploding,
+            epochs=3,
+            normalize=None,
+            progress=False,
+        )
+
+
+def test_uint8_batches_are_normalised_on_the_device() -> None:
+    seen: list[torch.Tensor] = []
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x)
+            return x.flatten(1)[:, :2] * self.w + 0.0
+
+    images = torch.full((4, 3, 2, 2), 255, dtype=torch.uint8)
+    loader = build_loader(
+        TensorDataset(images, torch.zeros(4, dtype=torch.long)),
+        batch_size=4,
+        train=True,
+        workers=0,
+        info=_info(),
+    )
+    model = Probe()
+    fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        epochs=1,
+        progress=False,
+    )
+    assert seen[0].dtype == torch.float32
+    expected = (1.0 - 0.485) / 0.229  # channel 0 of a white image
+    assert seen[0][0, 0, 0, 0].item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_fit_arguments_are_checked() -> None:
+    model = nn.Linear(6, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = build_loader(_linear_data(), batch_size=8, train=True, workers=0, info=_info())
+    with pytest.raises(ValueError, match="grad_accum"):
+        fit(model, loader, opt, criterion=nn.CrossEntropyLoss(), epochs=1, grad_accum=0)
+    with pytest.raises(ValueError, match="amp must be"):
+        fit(model, loader, opt, criterion=nn.CrossEntropyLoss(), epochs=1, amp="fp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="resume=True needs checkpoints"):
+        fit(model, loader, opt, criterion=nn.CrossEntropyLoss(), epochs=1, resume=True)
+
+
+def test_noisy_blobs_are_learnable() -> None:
+    torch.manual_seed(0)
+    model = small_net()
+    loader = build_loader(NoisyBlobs(), batch_size=8, train=True, workers=0, info=_info())
+    val = build_loader(
+        NoisyBlobs(augment=False), batch_size=8, train=False, workers=0, info=_info()
+    )
+    history = fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        criterion=nn.CrossEntropyLoss(),
+        epochs=10,
+        val_loader=val,
+        normalize=None,
+        progress=False,
+    )
+    assert history.last["val_acc1"] > 80
+    assert history.last["train_loss"] < history.records[0]["train_loss"]

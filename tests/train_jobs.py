@@ -1,0 +1,74 @@
+"""Models, data and jobs that the training tests run in other processes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddpkit import CheckpointManager, build_loader, fit, wrap_ddp
+from ddpkit.dist import DistInfo
+
+
+class NoisyBlobs(Dataset[tuple[torch.Tensor, int]]):
+    """Learnable 3-class data with random augmentation drawn in the worker's RNGs."""
+
+    def __init__(self, n: int = 48, seed: int = 0, augment: bool = True) -> None:
+        self.augment = augment
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, 3, (n,), generator=g)
+        self.base = (
+            torch.randn(n, 8, generator=g) + 2.0 * nn.functional.one_hot(self.labels, 8).float()
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not self.augment:
+            return self.base[index], int(self.labels[index])
+        x = self.base[index] + 0.3 * torch.randn(8)  # the "augmentation"
+        if torch.rand(()) < 0.5:
+            x = x.flip(0)
+        return x, int(self.labels[index])
+
+
+def small_net() -> nn.Module:
+    """BatchNorm and dropout: both must be restored exactly on resume."""
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3)
+    )
+
+
+def train_run(
+    rank: int, world_size: int, directory: str, epochs: int, resume: bool
+) -> dict[str, torch.Tensor]:
+    """fit() on 2 ranks with 2 workers per rank; returns the final weights."""
+    torch.manual_seed(1234)  # the same initial weights on every rank
+    info = DistInfo(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", True)
+    model = wrap_ddp(small_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    torch.manual_seed(99 + rank)  # dropout masks differ per rank, as in a real job
+    loader = build_loader(
+        NoisyBlobs(),
+        batch_size=4,
+        train=True,
+        workers=2,
+        seed=5,
+        info=info,
+        multiprocessing_context="fork",
+    )
+    fit(
+        model,
+        loader,
+        optimizer,
+        criterion=nn.CrossEntropyLoss(),
+        epochs=epochs,
+        scheduler=scheduler,
+        checkpoints=CheckpointManager(directory, network="tiny"),
+        resume=resume,
+        normalize=None,
+        progress=False,
+    )
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
