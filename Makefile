@@ -23,12 +23,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: $(STAMP)
-	@if [ -f examples/seresnext_lmdb.py ]; then \
-		$(BIN)/python examples/seresnext_lmdb.py --demo; \
-	else \
-		echo "ddpkit $$($(BIN)/python -c 'import ddpkit; print(ddpkit.__version__)') is installed in $(VENV)."; \
-		echo "demo arrives with the example (examples/seresnext_lmdb.py)"; \
-	fi
+	$(BIN)/python examples/seresnext_lmdb.py --demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

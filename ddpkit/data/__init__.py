@@ -4,6 +4,7 @@ from ddpkit.data.lmdb_build import BuildSummary, ImageError, build_lmdb, describ
 from ddpkit.data.lmdb_dataset import LazyLMDBDataset
 from ddpkit.data.lmdb_format import LMDBFormatError, read_index
 from ddpkit.data.loaders import DistributedEvalSampler, build_loader, set_epoch
+from ddpkit.data.shapes import SHAPE_CLASSES, make_shapes_dataset
 from ddpkit.data.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -15,6 +16,7 @@ from ddpkit.data.transforms import (
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "SHAPE_CLASSES",
     "BuildSummary",
     "DistributedEvalSampler",
     "ImageError",
@@ -23,6 +25,7 @@ __all__ = [
     "build_lmdb",
     "build_loader",
     "describe_lmdb",
+    "make_shapes_dataset",
     "normalize_batch",
     "read_index",
     "set_epoch",

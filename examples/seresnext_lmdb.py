@@ -1,0 +1,247 @@
+"""Train an SE-ResNeXt on LMDB data with DDP, on one process, one node or several.
+
+The same script runs every way a PyTorch ImageNet-example user expects:
+
+    python seresnext_lmdb.py --data DIR                           # one process (CPU or GPU)
+    python seresnext_lmdb.py --data DIR --multiprocessing-distributed \\
+        --world-size 2 --rank 0 --dist-url tcp://10.0.0.1:23456    # node 0 of 2, a process per GPU
+    torchrun --nproc-per-node 8 seresnext_lmdb.py --data DIR        # also srun under SLURM
+    python seresnext_lmdb.py --demo                               # generated shapes, minutes
+
+``DIR`` holds ``train.lmdb`` and ``val.lmdb`` (``ddpkit lmdb build``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+from torch import nn
+
+import ddpkit
+from ddpkit.data.shapes import make_shapes_dataset
+
+logger = logging.getLogger("ddpkit")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data", metavar="DIR", help="directory with train.lmdb and val.lmdb")
+    p.add_argument("--arch", default="legacy_seresnext101_32x4d", help="a timm model name")
+    p.add_argument(
+        "--pretrained", metavar="PATH", help="local weights file (nothing is downloaded)"
+    )
+    p.add_argument("--num-classes", type=int, help="default: the training set's classes")
+    p.add_argument("--requires-grad", action="store_true", help="train all layers, not the head")
+    p.add_argument("-b", "--batch-size", type=int, default=256, help="global, over all processes")
+    p.add_argument("-j", "--workers", type=int, help="data workers per node")
+    p.add_argument("--epochs", type=int, default=90)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4)
+    p.add_argument("--milestones", type=int, nargs="*", default=[30, 60], help="x0.1 at these")
+    p.add_argument("--amp", choices=["bf16", "fp16"], help="mixed precision")
+    p.add_argument("--min-crop", type=float, default=0.08, help="RandomResizedCrop's smallest area")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoints", default="checkpoints", metavar="DIR")
+    p.add_argument("--resume", action="store_true", help="continue from DIR/latest.pth")
+    p.add_argument("--network", default="seresnext", help="prefix of the per-epoch weight files")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--dist-url", help="tcp://<node 0 address>:<port>, env:// or file://")
+    p.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"])
+    p.add_argument("--world-size", type=int, default=1, help="number of nodes")
+    p.add_argument("--rank", type=int, default=0, help="this node's rank")
+    p.add_argument("--multiprocessing-distributed", action="store_true",
+                   help="one process per GPU on this node (or --nprocs CPU processes)")  # fmt: skip
+    p.add_argument("--nprocs", type=int, help="processes per node with -m-d (CPU: required)")
+    p.add_argument("--gpu", type=int, help="the GPU of a one-process run")
+    p.add_argument("--demo", action="store_true", help="train on generated shapes, then resume")
+    p.add_argument("--out", default="demo-out", help="the demo's directory")
+    p.add_argument("--demo-epochs", type=int, default=10)
+    p.add_argument("--demo-classes", type=int, default=6, help="shape x colour classes")
+    p.add_argument("--demo-per-class", type=int, default=250, help="training images per class")
+    args = p.parse_args(argv)
+    if args.data is None and not args.demo:
+        p.error("--data DIR is required (or --demo)")
+    return args
+
+
+def choose_mode(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """``"spawn"`` (-m-d), ``"launcher"`` (torchrun, SLURM, Open MPI set the ranks) or ``"single"``.
+
+    ``"single"`` with ``--world-size N --dist-url`` is one process per node, as in the recipe.
+    """
+    if args.multiprocessing_distributed:
+        return "spawn"
+    if ddpkit.detect_launcher(environ) is not None:
+        return "launcher"
+    return "single"
+
+
+def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
+    model = timm.create_model(args.arch, pretrained=False, num_classes=num_classes)
+    if args.pretrained:
+        state = torch.load(args.pretrained, map_location="cpu", weights_only=True)
+        state = state.get("model", state)  # a ddpkit checkpoint, or bare weights
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+        own = model.state_dict()
+        # The head of an ImageNet file has 1000 outputs: keep the new head instead.
+        state = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+        missing, _ = model.load_state_dict(state, strict=False)
+        logger.info("loaded %s; newly initialised: %s", args.pretrained, missing or "nothing")
+    if not args.requires_grad:
+        for param in model.parameters():
+            param.requires_grad = False
+        head = model.last_linear if hasattr(model, "last_linear") else model.get_classifier()
+        for param in head.parameters():
+            param.requires_grad = True
+    return model
+
+
+def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
+    """One process's whole run; every rank calls it. Returns the last epoch's record."""
+    logging.basicConfig(
+        level=logging.INFO if info.is_main else logging.WARNING,
+        format=f"[rank {info.rank}] %(asctime)s %(message)s",
+        force=True,
+    )
+    if info.device.type == "cpu":  # share the cores instead of oversubscribing them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+    torch.manual_seed(args.seed)
+    size = args.image_size
+    data = Path(args.data)
+    train_set = ddpkit.LazyLMDBDataset(
+        data / "train.lmdb", transform=ddpkit.train_transform(size, scale=(args.min_crop, 1.0))
+    )
+    val_set = ddpkit.LazyLMDBDataset(
+        data / "val.lmdb", transform=ddpkit.val_transform(size, round(size * 256 / 224))
+    )
+    model = build_model(args, args.num_classes or len(train_set.classes))
+    model = ddpkit.wrap_ddp(model, device=info.device)
+
+    workers = None if args.workers is None else args.workers // info.local_world_size
+    loader_kw: dict[str, Any] = {"workers": workers, "seed": args.seed, "info": info}
+    train_loader = ddpkit.build_loader(
+        train_set, global_batch_size=args.batch_size, train=True, **loader_kw
+    )
+    val_loader = ddpkit.build_loader(
+        val_set, batch_size=max(1, args.batch_size // info.world_size), train=False, **loader_kw
+    )
+    criterion = ddpkit.FocalLoss(
+        alpha=0.25, gamma=2, num_class=args.num_classes or len(train_set.classes), smooth=0.1
+    )
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(
+        params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, args.milestones, gamma=0.1)
+    history = ddpkit.fit(
+        model,
+        train_loader,
+        optimizer,
+        criterion=criterion,
+        epochs=args.epochs,
+        val_loader=val_loader,
+        scheduler=scheduler,
+        amp=args.amp,
+        checkpoints=ddpkit.CheckpointManager(args.checkpoints, network=args.network),
+        resume=args.resume,
+        progress=False,
+    )
+    return history.last if history.records else {}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train in the mode ``choose_mode`` picks; returns this node's first process's record."""
+    mode = choose_mode(args, os.environ)
+    if mode == "spawn":
+        results = ddpkit.spawn(
+            train,
+            args.nprocs,
+            args=(args,),
+            nnodes=args.world_size,
+            node_rank=args.rank,
+            init_method=args.dist_url,
+            backend=args.dist_backend,
+        )
+        return results[0]
+    device = f"cuda:{args.gpu}" if args.gpu is not None else None
+    if mode == "single" and args.world_size > 1:
+        info = ddpkit.init_distributed(
+            args.dist_url, args.dist_backend, world_size=args.world_size, rank=args.rank,
+            device=device,
+        )  # fmt: skip
+    else:
+        info = ddpkit.init_distributed(backend=args.dist_backend, device=device)
+    with info:
+        return train(info, args)
+
+
+def demo(args: argparse.Namespace) -> dict[str, Any]:
+    """Shapes -> LMDB -> a small SE-ResNeXt trained from scratch on 2 processes, then resumed."""
+    start = time.perf_counter()
+    out = Path(args.out)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a fresh run, then its resume
+    size = 32
+    train_dir, val_dir = make_shapes_dataset(
+        out / "shapes",
+        classes=args.demo_classes,
+        train_per_class=args.demo_per_class,
+        val_per_class=30,
+        size=size,
+    )
+    for split, source in (("train", train_dir), ("val", val_dir)):
+        ddpkit.build_lmdb(source, out / f"{split}.lmdb", overwrite=True, progress=False)
+    gpus = torch.cuda.device_count()
+    nprocs = gpus or 2
+    images = args.demo_classes * args.demo_per_class
+    settings = {
+        "data": str(out),
+        "arch": "legacy_seresnext26_32x4d",
+        "requires_grad": True,
+        "image_size": size,
+        "min_crop": 0.7,
+        "batch_size": min(64, images // nprocs * nprocs),  # tiny test runs still take a step
+        "lr": 0.2,
+        "milestones": [args.demo_epochs - 1],
+        "workers": 0,
+        "checkpoints": str(out / "checkpoints"),
+        "network": "demo",
+        "multiprocessing_distributed": True,
+        "nprocs": nprocs,
+        "world_size": 1,
+        "rank": 0,
+        "dist_url": None,
+    }
+    first = argparse.Namespace(**{**vars(args), **settings, "epochs": args.demo_epochs})
+    run(first)
+    # A second job continues from latest.pth for one more epoch: resume works.
+    record = run(
+        argparse.Namespace(**{**vars(first), "epochs": args.demo_epochs + 1, "resume": True})
+    )
+    seconds = time.perf_counter() - start
+    where = f"{gpus} GPU" if gpus else "2 CPU"
+    print(f"demo: final val acc1 {record['val_acc1']:.2f}% after {record['epoch'] + 1} epochs, "
+          f"total wall time {seconds:.1f} s ({where} processes)")  # fmt: skip
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.demo:
+        demo(args)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

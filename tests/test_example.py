@@ -1,0 +1,158 @@
+"""examples/seresnext_lmdb.py: flags, mode choice, the demo with resume, and two nodes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "seresnext_lmdb.py"
+# What a child of the test inherits: one thread per process, and no launcher
+# variables from whatever started pytest.
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_RANK",
+)
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("seresnext_lmdb", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+example = _load()
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(30)
+def test_defaults_follow_the_recipe() -> None:
+    args = example.parse_args(["--data", "d"])
+    assert args.arch == "legacy_seresnext101_32x4d"
+    assert (args.batch_size, args.epochs, args.image_size, args.world_size, args.rank) == (
+        256,
+        90,
+        224,
+        1,
+        0,
+    )
+    assert args.dist_backend == "auto"
+    assert not args.requires_grad
+    assert not args.resume
+    assert args.milestones == [30, 60]
+    assert args.pretrained is None
+    assert args.num_classes is None
+
+
+@pytest.mark.timeout(30)
+def test_flags() -> None:
+    args = example.parse_args(
+        shlex.split(
+            "--data d -b 512 -j 8 --wd 5e-4 --milestones 10 20 --amp bf16 --requires-grad "
+            "--multiprocessing-distributed --world-size 2 --rank 1 "
+            "--dist-url tcp://10.0.0.1:23456 --nprocs 4 --resume --network seresnext101"
+        )
+    )
+    assert (args.batch_size, args.workers, args.weight_decay) == (512, 8, 5e-4)
+    assert args.milestones == [10, 20]
+    assert args.amp == "bf16"
+    assert args.requires_grad
+    assert (args.world_size, args.rank, args.nprocs) == (2, 1, 4)
+    assert args.dist_url == "tcp://10.0.0.1:23456"
+    assert args.resume
+    assert example.parse_args(["--demo"]).out == "demo-out"
+    with pytest.raises(SystemExit):
+        example.parse_args([])  # neither --data nor --demo
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("argv", "environ", "mode"),
+    [
+        ([], {}, "single"),
+        (["--world-size", "2", "--rank", "1", "--dist-url", "tcp://h:1"], {}, "single"),
+        (["--multiprocessing-distributed"], {}, "spawn"),
+        ([], {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}, "launcher"),
+        ([], {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}, "launcher"),
+        ([], {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, "single"),
+    ],
+)
+def test_choose_mode(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], environ: dict[str, str], mode: str
+) -> None:
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    args = example.parse_args(["--data", "d", *argv])
+    assert example.choose_mode(args, os.environ) == mode
+
+
+@pytest.mark.timeout(240)
+def test_demo_trains_then_resumes(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(SCRIPT), "--demo", "--out", str(tmp_path), "--demo-epochs", "1",
+           "--demo-per-class", "4", "--demo-classes", "2"]  # fmt: skip
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoints = tmp_path / "checkpoints"
+    assert (checkpoints / "latest.pth").is_file()
+    assert list(checkpoints.glob("demo-epoch0-acc*.pth"))
+    assert list(checkpoints.glob("demo-epoch1-acc*.pth"))
+    assert "resuming at epoch 1" in done.stderr
+    assert "epoch 1: train_loss" in done.stderr
+    assert "final val acc1" in done.stdout
+    assert "after 2 epochs" in done.stdout
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_one_process_each(tmp_path: Path) -> None:
+    import ddpkit
+    from ddpkit.data.shapes import make_shapes_dataset
+
+    train_dir, val_dir = make_shapes_dataset(
+        tmp_path / "shapes", classes=3, train_per_class=4, val_per_class=2, size=32
+    )
+    ddpkit.build_lmdb(train_dir, tmp_path / "train.lmdb", progress=False)
+    ddpkit.build_lmdb(val_dir, tmp_path / "val.lmdb", progress=False)
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    common = [sys.executable, str(SCRIPT), "--data", str(tmp_path), "--arch",
+              "legacy_seresnext26_32x4d", "--image-size", "32", "--epochs", "1", "-b", "4",
+              "-j", "0", "--requires-grad", "--checkpoints", str(tmp_path / "ckpt"),
+              "--world-size", "2", "--dist-url", url, "--dist-backend", "gloo"]  # fmt: skip
+    nodes = [
+        subprocess.Popen([*common, "--rank", str(r)], env=_env(), stderr=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]
+    try:
+        errors = [node.communicate(timeout=200)[1] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    assert "epoch 0: train_loss" in errors[0]
+    assert (tmp_path / "ckpt" / "latest.pth").is_file()
