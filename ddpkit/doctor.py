@@ -35,8 +35,8 @@ from ddpkit.network import (
     IB_SYSFS,
     NCCL_DEBUG_LEVELS,
     NetworkConfigError,
-    _parse_ifname,
     check_socket_ifname,
+    ifname_selects,
     infiniband_devices,
     list_interfaces,
     route_interface,
@@ -304,18 +304,14 @@ def _check_ifname(var: str, env: Mapping[str, str], routed: str | None) -> Check
             f"{var}={value!r}: {problem}",
             f"unset {var}: init_distributed then picks the interface that routes to the master{to}",
         )
-    if routed is not None:
-        exclude, exact, names = _parse_ifname(value)
-        exact = exact or gloo
-        selected = any(routed == n if exact else routed.startswith(n) for n in names)
-        if selected == exclude:
-            return Check(
-                var,
-                "WARN",
-                f"set to {value!r}, but the master is reached through {routed}",
-                f"export {var}={routed if gloo else '=' + routed}, unless the nodes talk "
-                "to each other through another interface on purpose",
-            )
+    if routed is not None and not ifname_selects(value, routed, for_gloo=gloo):
+        return Check(
+            var,
+            "WARN",
+            f"set to {value!r}, but the master is reached through {routed}",
+            f"export {var}={routed if gloo else '=' + routed}, unless the nodes talk "
+            "to each other through another interface on purpose",
+        )
     return Check(var, "OK", f"{value!r} names an interface of this machine")
 
 

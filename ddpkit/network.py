@@ -22,6 +22,7 @@ __all__ = [
     "NetworkConfigError",
     "check_socket_ifname",
     "configure_network",
+    "ifname_selects",
     "infiniband_devices",
     "list_interfaces",
     "route_interface",
@@ -172,6 +173,17 @@ def _parse_ifname(value: str) -> tuple[bool, bool, list[str]]:
     rest = rest[1:] if exact else rest
     names = [item.split(":", 1)[0].strip() for item in rest.split(",")]
     return exclude, exact, [n for n in names if n]
+
+
+def ifname_selects(value: str, interface: str, *, for_gloo: bool) -> bool:
+    """Whether a ``NCCL_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME`` value picks ``interface``.
+
+    NCCL matches name prefixes (exact names after ``=``) and excludes them
+    after ``^``; Gloo matches exact names only.
+    """
+    exclude, exact, names = _parse_ifname(value)
+    exact = exact or for_gloo
+    return any(_matches(interface, n, exact) for n in names) != exclude
 
 
 def check_socket_ifname(value: str, *, for_gloo: bool) -> str | None:

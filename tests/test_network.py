@@ -201,3 +201,21 @@ def test_check_socket_ifname() -> None:
     assert "Gloo takes interface names" in (check_socket_ifname("=" + lo, for_gloo=True) or "")
     assert check_socket_ifname(lo[:1] + "#", for_gloo=True) is not None  # a prefix is not a name
     assert check_socket_ifname("", for_gloo=False) is not None
+
+
+@pytest.mark.parametrize(
+    ("value", "for_gloo", "selected"),
+    [
+        ("eth", False, True),  # NCCL: a prefix
+        ("eth", True, False),  # Gloo: exact names only
+        ("=eth0", False, True),
+        ("=eth", False, False),
+        ("^docker,lo", False, True),
+        ("^eth", False, False),
+        ("lo,eth0", True, True),
+    ],
+)
+def test_ifname_selects(value: str, for_gloo: bool, selected: bool) -> None:
+    from ddpkit.network import ifname_selects
+
+    assert ifname_selects(value, "eth0", for_gloo=for_gloo) is selected

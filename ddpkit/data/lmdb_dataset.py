@@ -89,10 +89,10 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         self.target_transform = target_transform
         self.decode = decode
         self.readahead = readahead
-        self._load_index()
         self._envs: list[lmdb.Environment] | None = None
         self._envs_pid = -1
         self._targets: list[int] | None = None
+        self._load_index()
 
     def _load_index(self) -> None:
         indexes = [read_index(p) for p in self.paths]
@@ -225,28 +225,16 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
                 "pass allow_pickle=True only for a database you made yourself, or rebuild it "
                 "with `ddpkit lmdb build` (no pickle)"
             )
-        return _LegacyLMDBDataset(path, transform, target_transform, decode, readahead)
+        return _LegacyLMDBDataset(
+            path, transform, target_transform, decode=decode, readahead=readahead
+        )
 
 
 class _LegacyLMDBDataset(LazyLMDBDataset):
     """The pickled folder2lmdb layout: ``__keys__`` and ``__len__`` records, tuple values."""
 
-    def __init__(
-        self,
-        path: PathLike,
-        transform: Callable[[Any], Any] | None,
-        target_transform: Callable[[int], Any] | None,
-        decode: Decode,
-        readahead: bool,
-    ) -> None:
-        if decode not in _DECODES:
-            raise ValueError(f"decode must be one of {_DECODES}, got {decode!r}")
-        self.paths = (os.fspath(path),)
-        self.transform = transform
-        self.target_transform = target_transform
-        self.decode = decode
-        self.readahead = readahead
-        self._envs, self._envs_pid, self._targets = None, -1, None
+    def _load_index(self) -> None:
+        # The old layout has no index: the keys come from its pickled __keys__ record.
         with self._env(0).begin() as txn:
             raw_keys, raw_len = (txn.get(k) for k in LEGACY_KEYS)
         if raw_keys is None or raw_len is None:
