@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from ddpkit.launch import spawn
     from ddpkit.launchers import LaunchEnv, detect_launcher
     from ddpkit.losses import FocalLoss
+    from ddpkit.models import PretrainedReport, freeze_backbone, load_pretrained
     from ddpkit.network import NetworkConfigError, configure_network
     from ddpkit.parallel import no_sync, unwrap_model, wrap_ddp
     from ddpkit.train import History, TrainingError, evaluate, fit
@@ -91,6 +92,9 @@ _EXPORTS = {
     "rank0_only": "ddpkit.checkpoint",
     "save_checkpoint": "ddpkit.checkpoint",
     "FocalLoss": "ddpkit.losses",
+    "PretrainedReport": "ddpkit.models",
+    "freeze_backbone": "ddpkit.models",
+    "load_pretrained": "ddpkit.models",
     "no_sync": "ddpkit.parallel",
     "unwrap_model": "ddpkit.parallel",
     "wrap_ddp": "ddpkit.parallel",
@@ -115,6 +119,7 @@ __all__ = [
     "LaunchEnv",
     "LazyLMDBDataset",
     "NetworkConfigError",
+    "PretrainedReport",
     "RankFailedError",
     "RendezvousError",
     "TrainingError",
@@ -128,12 +133,14 @@ __all__ = [
     "detect_launcher",
     "evaluate",
     "fit",
+    "freeze_backbone",
     "get_local_rank",
     "get_rank",
     "get_world_size",
     "init_distributed",
     "is_main_process",
     "load_checkpoint",
+    "load_pretrained",
     "no_sync",
     "normalize_batch",
     "rank0_only",

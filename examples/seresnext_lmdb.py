@@ -29,8 +29,6 @@ from torch import nn
 import ddpkit
 from ddpkit.data.shapes import make_shapes_dataset
 
-logger = logging.getLogger("ddpkit")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -65,12 +63,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu", type=int, help="the GPU of a one-process run")
     p.add_argument("--demo", action="store_true", help="train on generated shapes, then resume")
     p.add_argument("--out", default="demo-out", help="the demo's directory")
-    p.add_argument("--demo-epochs", type=int, default=10)
-    p.add_argument("--demo-classes", type=int, default=6, help="shape x colour classes")
+    p.add_argument("--demo-epochs", type=int, default=7, help="then one more, resumed")
+    p.add_argument("--demo-classes", type=int, default=6, help="colour x shape classes")
     p.add_argument("--demo-per-class", type=int, default=250, help="training images per class")
     args = p.parse_args(argv)
     if args.data is None and not args.demo:
         p.error("--data DIR is required (or --demo)")
+    if args.gpu is not None and args.multiprocessing_distributed:
+        p.error("--gpu picks the GPU of a one-process run; with --multiprocessing-distributed "
+                "each process takes the GPU of its local rank: drop --gpu")  # fmt: skip
     return args
 
 
@@ -88,21 +89,10 @@ def choose_mode(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
 
 def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     model = timm.create_model(args.arch, pretrained=False, num_classes=num_classes)
-    if args.pretrained:
-        state = torch.load(args.pretrained, map_location="cpu", weights_only=True)
-        state = state.get("model", state)  # a ddpkit checkpoint, or bare weights
-        state = {k.removeprefix("module."): v for k, v in state.items()}
-        own = model.state_dict()
-        # The head of an ImageNet file has 1000 outputs: keep the new head instead.
-        state = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
-        missing, _ = model.load_state_dict(state, strict=False)
-        logger.info("loaded %s; newly initialised: %s", args.pretrained, missing or "nothing")
+    if args.pretrained:  # the ImageNet head (1000 outputs) is skipped; ours stays fresh
+        ddpkit.load_pretrained(model, args.pretrained)
     if not args.requires_grad:
-        for param in model.parameters():
-            param.requires_grad = False
-        head = model.last_linear if hasattr(model, "last_linear") else model.get_classifier()
-        for param in head.parameters():
-            param.requires_grad = True
+        ddpkit.freeze_backbone(model)  # layer0..layer4 frozen, last_linear trained
     return model
 
 
@@ -116,46 +106,33 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     if info.device.type == "cpu":  # share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
     torch.manual_seed(args.seed)
-    size = args.image_size
-    data = Path(args.data)
-    train_set = ddpkit.LazyLMDBDataset(
-        data / "train.lmdb", transform=ddpkit.train_transform(size, scale=(args.min_crop, 1.0))
-    )
-    val_set = ddpkit.LazyLMDBDataset(
-        data / "val.lmdb", transform=ddpkit.val_transform(size, round(size * 256 / 224))
-    )
-    model = build_model(args, args.num_classes or len(train_set.classes))
-    model = ddpkit.wrap_ddp(model, device=info.device)
+    size, data = args.image_size, Path(args.data)
+    train_tf = ddpkit.train_transform(size, scale=(args.min_crop, 1.0))
+    train_set = ddpkit.LazyLMDBDataset(data / "train.lmdb", transform=train_tf)
+    val_tf = ddpkit.val_transform(size, round(size * 256 / 224))
+    val_set = ddpkit.LazyLMDBDataset(data / "val.lmdb", transform=val_tf)
+    classes = args.num_classes or len(train_set.classes)
+    model = ddpkit.wrap_ddp(build_model(args, classes), device=info.device)
 
     workers = None if args.workers is None else args.workers // info.local_world_size
-    loader_kw: dict[str, Any] = {"workers": workers, "seed": args.seed, "info": info}
+    kw: dict[str, Any] = {"workers": workers, "seed": args.seed, "info": info}
     train_loader = ddpkit.build_loader(
-        train_set, global_batch_size=args.batch_size, train=True, **loader_kw
+        train_set, global_batch_size=args.batch_size, train=True, **kw
     )
-    val_loader = ddpkit.build_loader(
-        val_set, batch_size=max(1, args.batch_size // info.world_size), train=False, **loader_kw
-    )
-    criterion = ddpkit.FocalLoss(
-        alpha=0.25, gamma=2, num_class=args.num_classes or len(train_set.classes), smooth=0.1
-    )
+    val_batch = max(1, args.batch_size // info.world_size)
+    val_loader = ddpkit.build_loader(val_set, batch_size=val_batch, train=False, **kw)
+    criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(
         params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, args.milestones, gamma=0.1)
+    checkpoints = ddpkit.CheckpointManager(args.checkpoints, network=args.network)
     history = ddpkit.fit(
-        model,
-        train_loader,
-        optimizer,
-        criterion=criterion,
-        epochs=args.epochs,
-        val_loader=val_loader,
-        scheduler=scheduler,
-        amp=args.amp,
-        checkpoints=ddpkit.CheckpointManager(args.checkpoints, network=args.network),
-        resume=args.resume,
-        progress=False,
-    )
+        model, train_loader, optimizer, criterion=criterion, epochs=args.epochs,
+        val_loader=val_loader, scheduler=scheduler, amp=args.amp, checkpoints=checkpoints,
+        resume=args.resume, progress=not args.demo,  # a bar on rank 0, except in the demo
+    )  # fmt: skip
     return history.last if history.records else {}
 
 
@@ -163,72 +140,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train in the mode ``choose_mode`` picks; returns this node's first process's record."""
     mode = choose_mode(args, os.environ)
     if mode == "spawn":
-        results = ddpkit.spawn(
-            train,
-            args.nprocs,
-            args=(args,),
-            nnodes=args.world_size,
-            node_rank=args.rank,
-            init_method=args.dist_url,
-            backend=args.dist_backend,
-        )
-        return results[0]
-    device = f"cuda:{args.gpu}" if args.gpu is not None else None
+        return ddpkit.spawn(
+            train, args.nprocs, args=(args,), nnodes=args.world_size, node_rank=args.rank,
+            init_method=args.dist_url, backend=args.dist_backend,
+        )[0]  # fmt: skip
+    nodes: dict[str, Any] = {}  # one process per node, the recipe's --world-size N --rank R
     if mode == "single" and args.world_size > 1:
-        info = ddpkit.init_distributed(
-            args.dist_url, args.dist_backend, world_size=args.world_size, rank=args.rank,
-            device=device,
-        )  # fmt: skip
-    else:
-        info = ddpkit.init_distributed(backend=args.dist_backend, device=device)
-    with info:
+        nodes = {"init_method": args.dist_url, "world_size": args.world_size, "rank": args.rank}
+    device = None if args.gpu is None else f"cuda:{args.gpu}"
+    with ddpkit.init_distributed(backend=args.dist_backend, device=device, **nodes) as info:
         return train(info, args)
 
 
 def demo(args: argparse.Namespace) -> dict[str, Any]:
     """Shapes -> LMDB -> a small SE-ResNeXt trained from scratch on 2 processes, then resumed."""
-    start = time.perf_counter()
-    out = Path(args.out)
+    start, out = time.perf_counter(), Path(args.out)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a fresh run, then its resume
-    size = 32
-    train_dir, val_dir = make_shapes_dataset(
-        out / "shapes",
-        classes=args.demo_classes,
-        train_per_class=args.demo_per_class,
-        val_per_class=30,
-        size=size,
-    )
-    for split, source in (("train", train_dir), ("val", val_dir)):
+    sizes = {"train_per_class": args.demo_per_class, "val_per_class": 50, "size": 32}
+    dirs = make_shapes_dataset(out / "shapes", classes=args.demo_classes, **sizes)
+    for split, source in zip(("train", "val"), dirs, strict=True):
         ddpkit.build_lmdb(source, out / f"{split}.lmdb", overwrite=True, progress=False)
     gpus = torch.cuda.device_count()
-    nprocs = gpus or 2
-    images = args.demo_classes * args.demo_per_class
-    settings = {
-        "data": str(out),
-        "arch": "legacy_seresnext26_32x4d",
-        "requires_grad": True,
-        "image_size": size,
-        "min_crop": 0.7,
+    nprocs, images = gpus or 2, args.demo_classes * args.demo_per_class
+    first = argparse.Namespace(**{
+        **vars(args), "data": str(out), "arch": "legacy_seresnext26_32x4d", "image_size": 32,
+        "requires_grad": True, "min_crop": 0.7, "lr": 0.05, "epochs": args.demo_epochs,
         "batch_size": min(64, images // nprocs * nprocs),  # tiny test runs still take a step
-        "lr": 0.2,
-        "milestones": [args.demo_epochs - 1],
-        "workers": 0,
-        "checkpoints": str(out / "checkpoints"),
-        "network": "demo",
-        "multiprocessing_distributed": True,
-        "nprocs": nprocs,
-        "world_size": 1,
-        "rank": 0,
-        "dist_url": None,
-    }
-    first = argparse.Namespace(**{**vars(args), **settings, "epochs": args.demo_epochs})
+        "milestones": [args.demo_epochs - 1], "workers": 0, "network": "demo",
+        "checkpoints": str(out / "checkpoints"), "multiprocessing_distributed": True,
+        "nprocs": nprocs, "world_size": 1, "rank": 0, "dist_url": None,
+    })  # fmt: skip
     run(first)
     # A second job continues from latest.pth for one more epoch: resume works.
-    record = run(
-        argparse.Namespace(**{**vars(first), "epochs": args.demo_epochs + 1, "resume": True})
-    )
-    seconds = time.perf_counter() - start
-    where = f"{gpus} GPU" if gpus else "2 CPU"
+    record = run(argparse.Namespace(**{**vars(first), "epochs": first.epochs + 1, "resume": True}))
+    seconds, where = time.perf_counter() - start, f"{gpus} GPU" if gpus else "2 CPU"
     print(f"demo: final val acc1 {record['val_acc1']:.2f}% after {record['epoch'] + 1} epochs, "
           f"total wall time {seconds:.1f} s ({where} processes)")  # fmt: skip
     return record

@@ -27,7 +27,7 @@ def test_console_script_version() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"ddpkit {ddpkit.__version__}"
-    assert ddpkit.__version__ == "0.1.0.dev0"
+    assert ddpkit.__version__ == "0.1.0"
 
 
 def test_python_dash_m_help() -> None:

@@ -1,11 +1,14 @@
 """The documentation stays in step with the code.
 
-docs/api.md documents every public name, and nothing else; every relative
-link in README.md and docs/*.md points to a file that exists.
+docs/api.md documents every public name, and nothing else, with the parameters
+the code has; every relative link in README.md and docs/*.md points to a file
+that exists.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import re
 from pathlib import Path
 
@@ -84,3 +87,32 @@ def test_relative_links_point_to_existing_files(path: Path) -> None:
         if file_part and not (path.parent / file_part).exists():
             missing.append(target)
     assert missing == [], f"{path.relative_to(ROOT)} links to missing files"
+
+
+def _documented_parameters(name: str) -> list[str] | None:
+    """The parameter names in the first code block under ``### `name` ``, or None."""
+    text = API.read_text(encoding="utf-8")
+    section = text.split(f"### `{name}`", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert block is not None, f"{name}: no code block"
+    tree = ast.parse(block.group(1))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            a = node.args
+            names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+            names += [x.arg for x in (a.vararg, a.kwarg) if x is not None]
+            return [n for n in names if n != "self"]
+    fields = [n.target.id for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)]
+    return [n for n in fields if isinstance(n, str)] or None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", sorted(set(ddpkit.__all__) - {"__version__"} | TESTING_NAMES))
+def test_api_md_signatures_match_the_code(name: str) -> None:
+    import ddpkit.testing
+
+    obj = getattr(ddpkit, name, None) or getattr(ddpkit.testing, name)
+    if not callable(obj) or (isinstance(obj, type) and issubclass(obj, BaseException)):
+        return  # constants and exceptions document no parameters
+    documented = _documented_parameters(name)
+    assert documented is not None, f"{name}: the code block shows no parameters"
+    assert documented == list(inspect.signature(obj).parameters), name

@@ -88,6 +88,14 @@ def test_flags() -> None:
     assert example.parse_args(["--demo"]).out == "demo-out"
     with pytest.raises(SystemExit):
         example.parse_args([])  # neither --data nor --demo
+    assert example.parse_args(["--data", "d", "--gpu", "1"]).gpu == 1
+
+
+@pytest.mark.timeout(30)
+def test_gpu_with_spawn_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        example.parse_args(["--data", "d", "--gpu", "0", "--multiprocessing-distributed"])
+    assert "drop --gpu" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(30)

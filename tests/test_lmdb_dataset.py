@@ -66,7 +66,7 @@ def test_decode_modes_match_pillow(tmp_path: Path) -> None:
         # the same pixels as Pillow gives, up to decoder rounding (CMYK, chroma upsampling)
         diff = (t.permute(1, 2, 0).int() - expected.int()).abs().float().mean().item()
         assert diff < 3.0, f"image {i}: mean abs diff {diff}"
-        assert torch.equal(torch.from_numpy(np.asarray(p)), expected)
+        assert torch.equal(torch.from_numpy(np.array(p)), expected)
 
 
 def test_transforms_are_applied(db: tuple[Path, list[bytes], list[int]]) -> None:

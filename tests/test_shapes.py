@@ -33,7 +33,7 @@ def test_counts_classes_and_images(tmp_path: Path) -> None:
     )
     assert (train, val) == (tmp_path / "train", tmp_path / "val")
     assert sorted(p.name for p in train.iterdir()) == sorted(SHAPE_CLASSES[:7])
-    assert SHAPE_CLASSES[0] == "red_circle"
+    assert SHAPE_CLASSES[:4] == ("red_circle", "green_circle", "blue_circle", "red_triangle")
     assert len(set(SHAPE_CLASSES)) == 15
     for d in train.iterdir():
         assert len(list(d.glob("*.jpg"))) == 5

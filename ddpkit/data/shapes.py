@@ -21,11 +21,14 @@ from PIL import Image, ImageDraw
 
 __all__ = ["SHAPE_CLASSES", "make_shapes_dataset"]
 
-_SHAPES = ("circle", "square", "triangle", "star", "cross")
+# Shapes from the most to the least distinct at small sizes (at 32 px a small
+# network confuses star with cross and square with triangle before the others).
+_SHAPES = ("circle", "triangle", "square", "cross", "star")
 _COLOURS = {"red": (210, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 210)}
-# Colour-major order, so the first classes cover every shape before a colour repeats
-# less often than shapes: red_circle, red_square, ..., green_circle, ...
-SHAPE_CLASSES: tuple[str, ...] = tuple(f"{c}_{s}" for c in _COLOURS for s in _SHAPES)
+# Shape-major order: red_circle, green_circle, blue_circle, red_triangle, ... so
+# that the first k classes (k >= 4) can be told apart by neither colour nor
+# shape alone; the demo's 6 are three colours times circle and triangle.
+SHAPE_CLASSES: tuple[str, ...] = tuple(f"{c}_{s}" for s in _SHAPES for c in _COLOURS)
 _SPLITS = ("train", "val")
 
 
@@ -40,7 +43,8 @@ def make_shapes_dataset(
 ) -> tuple[Path, Path]:
     """Write ``root/train/<class>/*.jpg`` and ``root/val/<class>/*.jpg``, an ImageFolder of shapes.
 
-    Class ``k`` is ``SHAPE_CLASSES[k]`` (``"red_circle"``, ``"red_square"``, ...).
+    Class ``k`` is ``SHAPE_CLASSES[k]`` (``"red_circle"``, ``"green_circle"``,
+    ``"blue_circle"``, ``"red_triangle"``, ...).
     Each image is drawn from its own generator seeded with ``(seed, split,
     class, index)``, so the same arguments give byte-identical files. A split
     whose tree already holds exactly the requested classes and counts is
