@@ -121,6 +121,28 @@ def test_choose_mode(
     assert example.choose_mode(args, os.environ) == mode
 
 
+@pytest.mark.timeout(60)
+def test_model_from_imagenet_weights_trains_only_the_head(tmp_path: Path) -> None:
+    import timm
+    import torch
+
+    torch.manual_seed(0)
+    imagenet = timm.create_model("legacy_seresnext26_32x4d", num_classes=1000)
+    torch.save(imagenet.state_dict(), tmp_path / "imagenet.pth")
+    argv = ["--data", "d", "--arch", "legacy_seresnext26_32x4d", "--pretrained"]
+    args = example.parse_args([*argv, str(tmp_path / "imagenet.pth")])
+
+    model = example.build_model(args, 5)
+
+    assert model.last_linear.out_features == 5
+    assert torch.equal(model.layer0.conv1.weight, imagenet.layer0.conv1.weight)
+    assert torch.equal(model.layer4[1].bn3.running_var, imagenet.layer4[1].bn3.running_var)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable == ["last_linear.weight", "last_linear.bias"]
+    everything = example.build_model(example.parse_args([*argv[:4], "--requires-grad"]), 5)
+    assert all(p.requires_grad for p in everything.parameters())
+
+
 @pytest.mark.timeout(240)
 def test_demo_trains_then_resumes(tmp_path: Path) -> None:
     cmd = [sys.executable, str(SCRIPT), "--demo", "--out", str(tmp_path), "--demo-epochs", "1",
