@@ -82,16 +82,10 @@ def load_pretrained(
     """
     state = _state_dict_of(load_checkpoint(path), path)
     own = model.state_dict()
-    loaded, skipped = [], []
-    matched: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if name not in own:
-            continue
-        if own[name].shape != tensor.shape:
-            skipped.append(name)
-            continue
-        matched[name] = tensor
-        loaded.append(name)
+    known = {n: t for n, t in state.items() if n in own}
+    matched = {n: t for n, t in known.items() if t.shape == own[n].shape}
+    skipped = [n for n in known if n not in matched]
+    loaded = list(matched)
     unexpected = [n for n in state if n not in own]
     # BatchNorm's num_batches_tracked is a scalar in every architecture: it matches anything.
     if not any(not n.endswith("num_batches_tracked") for n in matched):
