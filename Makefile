@@ -1,18 +1,18 @@
 # `make demo` and `make test` are all the set-up a fresh machine needs: each
-# target creates .venv and installs the project into it when pyproject.toml
-# changed since the last install (the stamp file is keyed on its hash).
+# target creates .venv and installs the project into it when pyproject.toml or
+# the version changed since the last install (the stamp file is keyed on their hash).
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml ddpkit/_version.py | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
 .PHONY: demo test lint bench venv clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml ddpkit/_version.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "Installing ddpkit and its dev tools into $(VENV) (the first time takes a few minutes) ..."
 	@$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" 2>&1 \

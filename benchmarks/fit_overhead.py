@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from ddpkit import fit, wrap_ddp
+from ddpkit import ReportConfig, TrainConfig, fit, wrap_ddp
 from ddpkit.testing import run_distributed
 
 
@@ -73,8 +73,8 @@ def _with_fit(model: nn.Module, loader: DataLoader[tuple[torch.Tensor, ...]], ep
         opt,
         criterion=nn.CrossEntropyLoss(),
         epochs=1,
-        normalize=None,
-        progress=False,
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(progress=False),
     )
 
 

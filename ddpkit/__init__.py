@@ -8,19 +8,13 @@ starts without importing torch.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ddpkit._version import __version__
 
 if TYPE_CHECKING:
-    from ddpkit._procs import RankFailedError
-    from ddpkit.checkpoint import (
-        CheckpointError,
-        CheckpointManager,
-        load_checkpoint,
-        rank0_only,
-        save_checkpoint,
-    )
+    from ddpkit.checkpoint import CheckpointManager
     from ddpkit.comm import (
         all_gather_object,
         all_reduce_sum,
@@ -45,18 +39,23 @@ if TYPE_CHECKING:
         train_transform,
         val_transform,
     )
-    from ddpkit.dist import DistInfo, RendezvousError, init_distributed, shutdown
-    from ddpkit.launch import spawn
-    from ddpkit.launchers import LaunchEnv, detect_launcher
+    from ddpkit.dist import init_distributed, shutdown
+    from ddpkit.job import DistInfo
     from ddpkit.losses import FocalLoss
     from ddpkit.models import PretrainedReport, freeze_backbone, load_pretrained
-    from ddpkit.network import NetworkConfigError, configure_network
+    from ddpkit.network import NetworkConfigError, NetworkPlan, configure_network, plan_network
     from ddpkit.parallel import no_sync, unwrap_model, wrap_ddp
-    from ddpkit.train import History, TrainingError, evaluate, fit
+    from ddpkit.processes import RankFailedError
+    from ddpkit.rank0 import Rank0Error, rank0_first, rank0_only
+    from ddpkit.rendezvous import RendezvousError
+    from ddpkit.reporting import ReportConfig
+    from ddpkit.serialization import CheckpointError, load_checkpoint, save_checkpoint
+    from ddpkit.spawning import spawn
+    from ddpkit.train import History, TrainConfig, TrainingError, evaluate, fit
 
 # Public name -> the module that defines it.
 _EXPORTS = {
-    "RankFailedError": "ddpkit._procs",
+    "CheckpointManager": "ddpkit.checkpoint",
     "all_gather_object": "ddpkit.comm",
     "all_reduce_sum": "ddpkit.comm",
     "barrier": "ddpkit.comm",
@@ -77,31 +76,52 @@ _EXPORTS = {
     "set_epoch": "ddpkit.data",
     "train_transform": "ddpkit.data",
     "val_transform": "ddpkit.data",
-    "DistInfo": "ddpkit.dist",
-    "RendezvousError": "ddpkit.dist",
     "init_distributed": "ddpkit.dist",
     "shutdown": "ddpkit.dist",
-    "spawn": "ddpkit.launch",
-    "LaunchEnv": "ddpkit.launchers",
-    "detect_launcher": "ddpkit.launchers",
-    "NetworkConfigError": "ddpkit.network",
-    "configure_network": "ddpkit.network",
-    "CheckpointError": "ddpkit.checkpoint",
-    "CheckpointManager": "ddpkit.checkpoint",
-    "load_checkpoint": "ddpkit.checkpoint",
-    "rank0_only": "ddpkit.checkpoint",
-    "save_checkpoint": "ddpkit.checkpoint",
+    "DistInfo": "ddpkit.job",
     "FocalLoss": "ddpkit.losses",
     "PretrainedReport": "ddpkit.models",
     "freeze_backbone": "ddpkit.models",
     "load_pretrained": "ddpkit.models",
+    "NetworkConfigError": "ddpkit.network",
+    "NetworkPlan": "ddpkit.network",
+    "configure_network": "ddpkit.network",
+    "plan_network": "ddpkit.network",
     "no_sync": "ddpkit.parallel",
     "unwrap_model": "ddpkit.parallel",
     "wrap_ddp": "ddpkit.parallel",
+    "RankFailedError": "ddpkit.processes",
+    "Rank0Error": "ddpkit.rank0",
+    "rank0_first": "ddpkit.rank0",
+    "rank0_only": "ddpkit.rank0",
+    "RendezvousError": "ddpkit.rendezvous",
+    "ReportConfig": "ddpkit.reporting",
+    "CheckpointError": "ddpkit.serialization",
+    "load_checkpoint": "ddpkit.serialization",
+    "save_checkpoint": "ddpkit.serialization",
+    "spawn": "ddpkit.spawning",
     "History": "ddpkit.train",
+    "TrainConfig": "ddpkit.train",
     "TrainingError": "ddpkit.train",
     "evaluate": "ddpkit.train",
     "fit": "ddpkit.train",
+}
+
+# Former public names: (module, name there, what to use instead). They still
+# resolve, with a DeprecationWarning, until ddpkit 0.3.
+_DEPRECATED = {
+    "LaunchEnv": (
+        "ddpkit.launchers",
+        "LaunchEnv",
+        "init_distributed() and its DistInfo (or ddpkit.launchers.LaunchEnv)",
+    ),
+    "detect_launcher": (
+        "ddpkit.launchers",
+        "detect_launcher",
+        "init_distributed() and its DistInfo (or ddpkit.launchers.detect_launcher)",
+    ),
+    "RankZeroError": ("ddpkit.rank0", "Rank0Error", "ddpkit.Rank0Error"),
+    "rank_zero_first": ("ddpkit.rank0", "rank0_first", "ddpkit.rank0_first"),
 }
 
 __all__ = [
@@ -116,12 +136,15 @@ __all__ = [
     "History",
     "ImageError",
     "LMDBFormatError",
-    "LaunchEnv",
     "LazyLMDBDataset",
     "NetworkConfigError",
+    "NetworkPlan",
     "PretrainedReport",
+    "Rank0Error",
     "RankFailedError",
     "RendezvousError",
+    "ReportConfig",
+    "TrainConfig",
     "TrainingError",
     "__version__",
     "all_gather_object",
@@ -130,7 +153,6 @@ __all__ = [
     "build_lmdb",
     "build_loader",
     "configure_network",
-    "detect_launcher",
     "evaluate",
     "fit",
     "freeze_backbone",
@@ -143,6 +165,8 @@ __all__ = [
     "load_pretrained",
     "no_sync",
     "normalize_batch",
+    "plan_network",
+    "rank0_first",
     "rank0_only",
     "save_checkpoint",
     "set_epoch",
@@ -157,11 +181,19 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    if name in _DEPRECATED:
+        module, attribute, instead = _DEPRECATED[name]
+        warnings.warn(
+            f"ddpkit.{name} is deprecated and will be removed in ddpkit 0.3; use {instead}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -182,7 +182,7 @@ def _run_lmdb_build(args: argparse.Namespace) -> int:
 
 @_reporting_errors
 def _run_lmdb_info(args: argparse.Namespace) -> int:
-    from ddpkit.data.lmdb_build import describe_lmdb
+    from ddpkit.data.lmdb_inspect import describe_lmdb
 
     info = describe_lmdb(args.path)
     if args.json:
@@ -208,15 +208,16 @@ def _run_lmdb_info(args: argparse.Namespace) -> int:
 
 @_reporting_errors
 def _run_lmdb_verify(args: argparse.Namespace) -> int:
-    from ddpkit.data.lmdb_build import _bad_samples
+    from ddpkit.data.lmdb_inspect import verify_report
 
-    count, bad = _bad_samples(args.path, args.workers, progress=sys.stderr.isatty())
-    for index, name, reason in bad:
-        print(f"index {index} ({name}): {reason}" if name else f"index {index}: {reason}")
-    if bad:
-        print(f"{len(bad)} bad sample(s) in {args.path}", file=sys.stderr)
+    report = verify_report(args.path, workers=args.workers, progress=sys.stderr.isatty())
+    for bad in report.bad:
+        where = f" ({bad.path})" if bad.path else ""
+        print(f"index {bad.index}{where}: {bad.reason}")
+    if not report.ok:
+        print(f"{len(report.bad)} bad sample(s) in {args.path}", file=sys.stderr)
         return 1
-    print(f"ok: {count} samples decode")
+    print(f"ok: {report.samples} samples decode")
     return 0
 
 

@@ -9,11 +9,13 @@ or the job deadlocks**.
 
 from __future__ import annotations
 
-import os
 from typing import Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
+
+from ddpkit.devices import collective_device
+from ddpkit.launchers import detect_launcher
 
 __all__ = [
     "all_gather_object",
@@ -27,9 +29,6 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-
-# Launchers export the node-local rank under different names; the first one set wins.
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
 
 
 def is_dist_initialized() -> bool:
@@ -48,19 +47,21 @@ def get_world_size() -> int:
 
 
 def get_local_rank() -> int:
-    """Return this process's rank on its own machine, or 0 without a process group.
+    """Return this process's rank on its own machine, as its launcher set it; 0 otherwise.
 
-    The value comes from the launcher's environment (``LOCAL_RANK`` from torchrun
-    and ddpkit, ``SLURM_LOCALID``, ``OMPI_COMM_WORLD_LOCAL_RANK``), read at call
-    time. A process group whose launcher exported none of them reports 0.
+    Without a process group this is 0. With one, it is the local rank the
+    launcher that started the process gave it (torchrun's ``LOCAL_RANK``,
+    ``SLURM_LOCALID``, ``OMPI_COMM_WORLD_LOCAL_RANK``; ``ddpkit.spawn`` and
+    ``run_distributed`` set torchrun's), and 0 for a job started without a
+    launcher. :attr:`ddpkit.DistInfo.local_rank` is always right: prefer it.
     """
     if not is_dist_initialized():
         return 0
-    for name in _LOCAL_RANK_VARS:
-        value = os.environ.get(name)
-        if value is not None and value.strip().isdigit():
-            return int(value)
-    return 0
+    try:
+        launch = detect_launcher()
+    except ValueError:  # malformed variables: init_distributed reported them already
+        return 0
+    return launch.local_rank if launch is not None else 0
 
 
 def is_main_process() -> bool:
@@ -80,12 +81,6 @@ def barrier() -> None:
         dist.barrier(device_ids=[torch.cuda.current_device()])
     else:
         dist.barrier()
-
-
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @overload
@@ -120,7 +115,7 @@ def all_reduce_sum(value: torch.Tensor | int | float) -> torch.Tensor | int | fl
     if isinstance(value, torch.Tensor):
         if not is_dist_initialized():
             return value.clone()
-        work = value.detach().to(_collective_device(), copy=True)
+        work = value.detach().to(collective_device(), copy=True)
         dist.all_reduce(work, op=dist.ReduceOp.SUM)
         return work.to(value.device)
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -131,7 +126,7 @@ def all_reduce_sum(value: torch.Tensor | int | float) -> torch.Tensor | int | fl
     if not is_dist_initialized():
         return value
     dtype = torch.int64 if isinstance(value, int) else torch.float64
-    work = torch.tensor([value], dtype=dtype, device=_collective_device())
+    work = torch.tensor([value], dtype=dtype, device=collective_device())
     dist.all_reduce(work, op=dist.ReduceOp.SUM)
     return int(work.item()) if isinstance(value, int) else float(work.item())
 

@@ -4,14 +4,9 @@ Run on every node, before the job or while it hangs. Each check looks at one
 thing that commonly stops ranks from finding each other (the launcher's
 variables, the interface that routes to the master, ``NCCL_SOCKET_IFNAME``,
 InfiniBand, whether the rendezvous port answers) and says what to change.
-Nothing here joins a job or sends data beyond a TCP connect to the master port.
-
-Example:
-    >>> checks = run_checks(master_addr="10.0.0.1", master_port=29500)  # doctest: +SKIP
-    >>> print(format_report(checks))  # doctest: +SKIP
-    [INFO] versions:           python 3.11.7, torch 2.4.1+cu121, CUDA 12.1, NCCL 2.20.5, ...
-    [ OK ] route to master:    10.0.0.1 is reached through eth0 (10.0.0.2)
-    ...
+The network lines show :func:`ddpkit.network.plan_network`'s plan: exactly what
+``init_distributed`` would set on this machine. Nothing here joins a job or
+sends data beyond a TCP connect to the master port.
 """
 
 from __future__ import annotations
@@ -30,17 +25,9 @@ from typing import Literal
 import torch
 
 from ddpkit._version import __version__
-from ddpkit.launchers import LaunchEnv, detect_launcher
-from ddpkit.network import (
-    IB_SYSFS,
-    NCCL_DEBUG_LEVELS,
-    NetworkConfigError,
-    check_socket_ifname,
-    ifname_selects,
-    infiniband_devices,
-    list_interfaces,
-    route_interface,
-)
+from ddpkit.interfaces import IB_SYSFS, ifname_selects, list_interfaces
+from ddpkit.launchers import LaunchEnv, detect_launcher, master_endpoint, parse_port
+from ddpkit.network import NCCL_DEBUG_LEVELS, NetworkPlan, plan_network
 
 __all__ = ["Check", "Status", "exit_code", "format_report", "run_checks"]
 
@@ -100,11 +87,8 @@ def run_checks(
         ib_sysfs: where InfiniBand devices are listed.
 
     Returns:
-        One :class:`Check` per line of the report.
-
-    Example:
-        >>> [c.name for c in run_checks()][:3]  # doctest: +SKIP
-        ['versions', 'GPUs', 'launcher']
+        One :class:`Check` per line of the report: ``[c.name for c in run_checks()][:3]``
+        is ``["versions", "GPUs", "launcher"]``.
     """
     env = os.environ if environ is None else environ
     try:
@@ -112,26 +96,30 @@ def run_checks(
         launch_error: ValueError | None = None
     except ValueError as exc:
         launch, launch_error = None, exc
-
-    addr, addr_source = _master_addr(master_addr, env, launch)
-    port: int | str | None = master_port
-    if port is None:
-        port = env.get("MASTER_PORT") or (launch.master_port if launch else None)
+    found = master_endpoint(env, launch, detect=False)
+    addr = master_addr or found.addr
+    source = "--master-addr" if master_addr else found.source
+    port: int | str | None = master_port if master_port is not None else found.port
 
     checks = _guard("versions", _check_versions)
     checks += _guard("GPUs", lambda: _check_gpus(env))
     checks += _guard("launcher", lambda: _check_launcher(launch, launch_error, world_size))
-    checks += _guard("interfaces", _check_interfaces)
     try:
-        route_check, routed = _check_route(addr, addr_source)
+        plan: NetworkPlan | None = plan_network(master_addr=addr, environ=env, ib_sysfs=ib_sysfs)
     except Exception as exc:
-        route_check, routed = _crashed("route to master", exc), None
-    checks.append(route_check)
-    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-        checks += _guard(var, partial(_check_ifname, var, env, routed))
-    checks += _guard("InfiniBand", lambda: _check_infiniband(env, ib_sysfs))
-    checks += _guard("NCCL_DEBUG", lambda: _check_nccl_debug(env))
-    checks += _guard("master port", lambda: _check_port(addr, port, launch, connect_timeout))
+        plan = None
+        checks.append(_crashed("network plan", exc))
+    if plan is not None:
+        checks += _guard("interfaces", lambda: _check_interfaces(plan))
+        checks += _guard("route to master", lambda: _check_route(plan, source))
+        for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            checks += _guard(var, partial(_check_ifname, var, plan))
+        checks += _guard("InfiniBand", lambda: _check_infiniband(plan))
+        checks += _guard("NCCL_DEBUG", lambda: _check_nccl_debug(plan))
+    interfaces = plan.interfaces if plan is not None else list_interfaces()
+    checks += _guard(
+        "master port", lambda: _check_port(addr, port, launch, connect_timeout, interfaces)
+    )
     return checks
 
 
@@ -175,18 +163,6 @@ def _crashed(name: str, exc: Exception) -> Check:
         f"the check itself failed: {type(exc).__name__}: {exc}",
         "this is a ddpkit doctor bug; the other checks still ran, please report it",
     )
-
-
-def _master_addr(
-    given: str | None, env: Mapping[str, str], launch: LaunchEnv | None
-) -> tuple[str | None, str]:
-    if given:
-        return given, "--master-addr"
-    if env.get("MASTER_ADDR"):
-        return env["MASTER_ADDR"], "MASTER_ADDR"
-    if launch is not None and launch.master_addr:
-        return launch.master_addr, launch.launcher
-    return None, ""
 
 
 def _check_versions() -> Check:
@@ -251,9 +227,8 @@ def _check_launcher(
     return Check("launcher", "INFO", f"{launch.launcher}: {variables} ({where})")
 
 
-def _check_interfaces() -> Check:
-    interfaces = list_interfaces()
-    if not interfaces:
+def _check_interfaces(plan: NetworkPlan) -> Check:
+    if not plan.interfaces:
         return Check(
             "interfaces",
             "WARN",
@@ -262,46 +237,44 @@ def _check_interfaces() -> Check:
         )
     listed = "; ".join(
         f"{name} {', '.join(addrs) if addrs else '(no address)'}"
-        for name, addrs in interfaces.items()
+        for name, addrs in plan.interfaces.items()
     )
     return Check("interfaces", "INFO", listed)
 
 
-def _check_route(addr: str | None, source: str) -> tuple[Check, str | None]:
+def _check_route(plan: NetworkPlan, source: str) -> Check:
     name = "route to master"
-    if not addr:
+    if not plan.master_addr:
         fix = "pass --master-addr or set MASTER_ADDR"
-        return Check(name, "WARN", "no master address given", fix), None
-    try:
-        iface = route_interface(addr)
-    except NetworkConfigError as exc:
+        return Check(name, "WARN", "no master address given", fix)
+    if plan.route is None:
         fix = (
             "use the rank-0 host's address as this node sees it (`ip addr` on that node), "
             "the same on every node"
         )
-        return Check(name, "FAIL", str(exc), fix), None
-    addrs = list_interfaces().get(iface, [])
+        return Check(name, "FAIL", plan.route_error or "no route", fix)
+    addrs = plan.interfaces.get(plan.route, [])
     local = f" ({addrs[0]})" if addrs else ""
     origin = "" if source == "--master-addr" else f"; the address comes from {source}"
-    return Check(name, "OK", f"{addr} is reached through {iface}{local}{origin}"), iface
+    return Check(name, "OK", f"{plan.master_addr} is reached through {plan.route}{local}{origin}")
 
 
-def _check_ifname(var: str, env: Mapping[str, str], routed: str | None) -> Check:
-    gloo = var.startswith("GLOO")
-    value = env.get(var)
-    if value is None:
-        if routed is None:
-            picked = "the interface that routes to MASTER_ADDR"
-        else:
-            picked = routed if gloo else "=" + routed
+def _check_ifname(var: str, plan: NetworkPlan) -> Check:
+    setting, routed = plan.setting(var), plan.route
+    if setting is None:
+        picked = "the interface that routes to MASTER_ADDR"
         return Check(var, "INFO", f"unset (init_distributed sets it to {picked} automatically)")
-    problem = check_socket_ifname(value, for_gloo=gloo)
-    if problem:
+    if setting.action == "set":
+        return Check(
+            var, "INFO", f"unset (init_distributed sets it to {setting.value} automatically)"
+        )
+    value, gloo = setting.value, var.startswith("GLOO")
+    if setting.problem:
         to = f" (or set it to {routed})" if routed else ""
         return Check(
             var,
             "FAIL",
-            f"{var}={value!r}: {problem}",
+            f"{var}={value!r}: {setting.problem}",
             f"unset {var}: init_distributed then picks the interface that routes to the master{to}",
         )
     if routed is not None and not ifname_selects(value, routed, for_gloo=gloo):
@@ -315,13 +288,13 @@ def _check_ifname(var: str, env: Mapping[str, str], routed: str | None) -> Check
     return Check(var, "OK", f"{value!r} names an interface of this machine")
 
 
-def _check_infiniband(env: Mapping[str, str], ib_sysfs: str) -> Check:
-    devices = infiniband_devices(ib_sysfs)
-    disable = env.get("NCCL_IB_DISABLE")
-    setting = "unset" if disable is None else repr(disable)
-    if devices:
-        found = f"{', '.join(devices)} in {ib_sysfs}; NCCL_IB_DISABLE {setting}"
-        if disable == "1":
+def _check_infiniband(plan: NetworkPlan) -> Check:
+    setting, sysfs = plan.setting("NCCL_IB_DISABLE"), plan.ib_sysfs
+    kept = setting.value if setting is not None and setting.action == "keep" else None
+    shown = "unset" if kept is None else repr(kept)
+    if plan.ib_devices:
+        found = f"{', '.join(plan.ib_devices)} in {sysfs}; NCCL_IB_DISABLE {shown}"
+        if kept == "1":
             return Check(
                 "InfiniBand",
                 "WARN",
@@ -329,35 +302,43 @@ def _check_infiniband(env: Mapping[str, str], ib_sysfs: str) -> Check:
                 "unset NCCL_IB_DISABLE to let NCCL use InfiniBand, unless it is off on purpose",
             )
         return Check("InfiniBand", "INFO", found)
-    if disable == "1":
-        return Check("InfiniBand", "INFO", f"no devices in {ib_sysfs}; NCCL_IB_DISABLE='1'")
+    if kept == "1":
+        return Check("InfiniBand", "INFO", f"no devices in {sysfs}; NCCL_IB_DISABLE='1'")
+    then = (
+        f"init_distributed sets NCCL_IB_DISABLE={setting.value}"
+        if setting is not None and setting.action == "set"
+        else "NCCL looks for InfiniBand first and, in most versions, falls back to sockets"
+    )
     return Check(
         "InfiniBand",
         "WARN",
-        f"no devices in {ib_sysfs}, and NCCL_IB_DISABLE is {setting}: NCCL looks for "
-        "InfiniBand first and, in most versions, falls back to sockets",
+        f"no devices in {sysfs}, and NCCL_IB_DISABLE is {shown}: {then}",
         "export NCCL_IB_DISABLE=1, or let init_distributed set it",
     )
 
 
-def _check_nccl_debug(env: Mapping[str, str]) -> Check:
-    value = env.get("NCCL_DEBUG")
-    if value is None:
+def _check_nccl_debug(plan: NetworkPlan) -> Check:
+    setting = plan.setting("NCCL_DEBUG")
+    if setting is None:
         return Check(
             "NCCL_DEBUG", "INFO", "unset (NCCL_DEBUG=INFO prints the interfaces NCCL uses)"
         )
-    if value.strip().upper() not in NCCL_DEBUG_LEVELS:
+    if setting.problem:
         return Check(
             "NCCL_DEBUG",
             "FAIL",
-            f"NCCL_DEBUG={value!r} is not an NCCL debug level",
+            f"NCCL_DEBUG={setting.value!r} is not an NCCL debug level",
             f"export NCCL_DEBUG to one of {', '.join(NCCL_DEBUG_LEVELS)}, or unset it",
         )
-    return Check("NCCL_DEBUG", "OK", repr(value))
+    return Check("NCCL_DEBUG", "OK", repr(setting.value))
 
 
 def _check_port(
-    addr: str | None, port: int | str | None, launch: LaunchEnv | None, timeout: float
+    addr: str | None,
+    port: int | str | None,
+    launch: LaunchEnv | None,
+    timeout: float,
+    interfaces: Mapping[str, list[str]],
 ) -> Check:
     name = "master port"
     if not addr:
@@ -371,8 +352,9 @@ def _check_port(
             "no master port given",
             "pass --master-port or set MASTER_PORT (the same on every node)",
         )
-    number = _port_number(port)
-    if number is None:
+    try:
+        number = parse_port(port, "master port")
+    except ValueError:
         return Check(
             name,
             "FAIL",
@@ -380,7 +362,7 @@ def _check_port(
             "set MASTER_PORT (or --master-port) to a free port such as 29500, the same on "
             "every node",
         )
-    if not _is_local(addr):
+    if not _is_local(addr, interfaces):
         ok, detail = _probe_tcp(addr, number, timeout)
         if ok:
             return Check(name, "OK", f"{addr}:{number} accepts TCP connections")
@@ -419,19 +401,11 @@ def _check_port(
     )
 
 
-def _port_number(port: int | str) -> int | None:
-    try:
-        number = int(port)
-    except ValueError:
-        return None
-    return number if 0 < number < 65536 else None
-
-
-def _is_local(addr: str) -> bool:
+def _is_local(addr: str, interfaces: Mapping[str, list[str]]) -> bool:
     """Is ``addr`` (a name or an address) this machine, i.e. would rank 0 run here?"""
     if addr == "localhost":
         return True
-    ours = {ipaddress.ip_address(a) for addrs in list_interfaces().values() for a in addrs}
+    ours = {ipaddress.ip_address(a) for addrs in interfaces.values() for a in addrs}
     try:
         infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):

@@ -1,9 +1,11 @@
-"""Read each launcher's environment variables, in one place.
+"""Read the launcher's environment variables: the only module that reads them.
 
 torchrun (and torchelastic), SLURM's ``srun`` and Open MPI's ``mpirun`` each
-describe a process's place in the job with their own variables. This module
-turns them into one :class:`LaunchEnv`; :func:`ddpkit.init_distributed` uses it
-when called without explicit ranks, and ``ddpkit doctor`` prints it.
+describe a process's place in the job with their own variables, and
+``MASTER_ADDR`` / ``MASTER_PORT`` say where the ranks meet. This module turns
+them into one :class:`LaunchEnv` and one :class:`MasterEndpoint`; everything
+downstream (``ddpkit.job``, ``ddpkit.network``, ``ddpkit doctor``) receives
+those objects and never reads the environment for them itself.
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchEnv", "detect_launcher", "expand_hostlist", "slurm_master_port"]
+__all__ = [
+    "LaunchEnv",
+    "MasterEndpoint",
+    "detect_launcher",
+    "expand_hostlist",
+    "local_world_size",
+    "master_endpoint",
+    "parse_port",
+    "slurm_master_port",
+]
 
 
 @dataclass(frozen=True)
@@ -22,8 +33,8 @@ class LaunchEnv:
 
     Attributes:
         launcher: ``"torchrun"`` (also any launcher that exports torchrun's
-            ``RANK``/``WORLD_SIZE`` variables), ``"spawn"`` (``ddpkit.spawn``),
-            ``"slurm"`` or ``"openmpi"``.
+            ``RANK``/``WORLD_SIZE`` variables), ``"slurm"`` or ``"openmpi"``;
+            ``"spawn"`` when ``ddpkit.spawn`` builds one for its children.
         rank: global rank.
         local_rank: rank on this node.
         world_size: number of processes in the job.
@@ -34,6 +45,8 @@ class LaunchEnv:
         store_is_external: the launcher hosts the rendezvous store (torchrun's
             agent, or ``ddpkit.spawn``'s parent): rank 0 must connect to it,
             not create it.
+        run_id: torchelastic's run id (``TORCHELASTIC_RUN_ID``), or "".
+        restart_count: how often torchelastic restarted the workers.
         variables: the environment variables this was read from.
     """
 
@@ -46,7 +59,25 @@ class LaunchEnv:
     master_addr: str | None = None
     master_port: int | None = None
     store_is_external: bool = False
+    run_id: str = ""
+    restart_count: int = 0
     variables: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class MasterEndpoint:
+    """Where rank 0's rendezvous store is, as the environment tells it.
+
+    Attributes:
+        addr: the host, or None when nothing says.
+        port: the port as written (check it with :func:`parse_port`), or None.
+        source: where ``addr`` came from: ``"MASTER_ADDR"``, a launcher's
+            name (``"slurm"``: the first host of the node list), or "".
+    """
+
+    addr: str | None
+    port: str | None
+    source: str
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
@@ -81,16 +112,17 @@ def _torchrun(env: Mapping[str, str]) -> LaunchEnv:
     local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
     node_rank = _int(env, "GROUP_RANK", _int(env, "NODE_RANK", rank // max(local_world_size, 1)))
     return LaunchEnv(
-        # ddpkit.spawn exports torchrun's variables and names itself here.
-        launcher=env.get("DDPKIT_LAUNCHER", "torchrun"),
+        launcher="torchrun",
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
         local_world_size=local_world_size,
         node_rank=node_rank,
         master_addr=env.get("MASTER_ADDR") or None,
-        master_port=_int(env, "MASTER_PORT") if env.get("MASTER_PORT") else None,
+        master_port=_port(env),
         store_is_external=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
         variables=_pick(env, "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
     )
 
@@ -100,10 +132,7 @@ def _slurm(env: Mapping[str, str]) -> LaunchEnv:
     local_world_size = _slurm_tasks_on_node(env, node_rank)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
     master_addr = env.get("MASTER_ADDR") or (expand_hostlist(nodelist)[0] if nodelist else None)
-    if env.get("MASTER_PORT"):
-        master_port: int | None = _int(env, "MASTER_PORT")
-    else:
-        master_port = slurm_master_port(env.get("SLURM_JOB_ID", ""))
+    master_port = _port(env) or slurm_master_port(env.get("SLURM_JOB_ID", ""))
     return LaunchEnv(
         launcher="slurm",
         rank=_int(env, "SLURM_PROCID"),
@@ -139,7 +168,7 @@ def _openmpi(env: Mapping[str, str]) -> LaunchEnv:
         # mpirun fills nodes in blocks by default (--map-by slot).
         node_rank=rank // max(local_world_size, 1),
         master_addr=env.get("MASTER_ADDR") or None,
-        master_port=_int(env, "MASTER_PORT") if env.get("MASTER_PORT") else None,
+        master_port=_port(env),
         variables=_pick(
             env,
             "OMPI_COMM_WORLD_RANK",
@@ -148,6 +177,67 @@ def _openmpi(env: Mapping[str, str]) -> LaunchEnv:
             "OMPI_COMM_WORLD_LOCAL_SIZE",
         ),
     )
+
+
+def master_endpoint(
+    environ: Mapping[str, str] | None = None,
+    launch: LaunchEnv | None = None,
+    *,
+    detect: bool = True,
+) -> MasterEndpoint:
+    """Where rank 0 hosts the store: ``MASTER_ADDR``/``MASTER_PORT``, else the launcher's.
+
+    Args:
+        environ: the environment to read; ``os.environ`` by default.
+        launch: the launcher already detected in ``environ``.
+        detect: with no ``launch`` given, detect it (False: read only the
+            ``MASTER_*`` variables, e.g. when the launcher's are malformed).
+
+    Raises:
+        ValueError: ``detect`` and a launcher's variables are malformed.
+    """
+    env = os.environ if environ is None else environ
+    if launch is None and detect:
+        launch = detect_launcher(env)
+    addr, source = env.get("MASTER_ADDR") or None, "MASTER_ADDR"
+    if addr is None and launch is not None and launch.master_addr:
+        addr, source = launch.master_addr, launch.launcher
+    port = env.get("MASTER_PORT", "").strip() or None
+    if port is None and launch is not None and launch.master_port is not None:
+        port = str(launch.master_port)
+    return MasterEndpoint(addr, port, source if addr else "")
+
+
+def local_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """How many processes share this node, as the launcher's variables say; 1 without any.
+
+    The detected launcher's count, else a bare ``LOCAL_WORLD_SIZE``; malformed
+    variables count as none (``init_distributed`` reports them).
+    """
+    env = os.environ if environ is None else environ
+    try:
+        launch = detect_launcher(env)
+    except ValueError:
+        launch = None
+    if launch is not None:
+        return launch.local_world_size
+    bare = env.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(bare) if bare.isdigit() and int(bare) > 0 else 1
+
+
+def parse_port(text: str | int, source: str) -> int:
+    """Return ``text`` as a TCP port number, 1..65535.
+
+    Raises:
+        ValueError: it is not one; the message names ``source`` and the value.
+    """
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ValueError(f"{source}={text!r} is not a port number 1..65535")
+    return port
 
 
 def slurm_master_port(job_id: str) -> int:
@@ -251,6 +341,11 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
         return int(raw.strip())
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _port(env: Mapping[str, str]) -> int | None:
+    raw = env.get("MASTER_PORT", "").strip()
+    return parse_port(raw, "MASTER_PORT") if raw else None
 
 
 def _pick(env: Mapping[str, str], *names: str) -> tuple[tuple[str, str], ...]:

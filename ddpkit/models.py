@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ddpkit.checkpoint import load_checkpoint
+from ddpkit.serialization import load_checkpoint
 
 __all__ = ["PretrainedReport", "freeze_backbone", "load_pretrained"]
 

@@ -22,6 +22,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpkit.devices import model_device
+
 __all__ = ["no_sync", "unwrap_model", "wrap_ddp"]
 
 logger = logging.getLogger("ddpkit")
@@ -97,7 +99,7 @@ def wrap_ddp(
         )
 
     distributed = dist.is_available() and dist.is_initialized()
-    dev = _resolve_device(device, distributed)
+    dev = model_device(device, distributed)
     if not distributed:
         return model.to(dev)
 
@@ -222,18 +224,3 @@ def _check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> None:
             f"wrap_ddp: DistributedDataParallel takes no argument(s) {unknown}; "
             f"it takes {sorted(accepted - set(_DEVICE_KWARGS))}"
         )
-
-
-def _resolve_device(device: torch.device | str | None, distributed: bool) -> torch.device:
-    if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        return dev
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    if distributed and dist.get_backend() != "nccl":
-        # A Gloo group on a GPU machine is taken for a CPU job (tests, CPU
-        # training); pass device="cuda" to train on the GPU over Gloo anyway.
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())

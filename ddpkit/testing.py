@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from ddpkit._procs import RankFailedError, run_processes
+from ddpkit.processes import RankFailedError, run_processes
 
 __all__ = ["DistributedTestError", "run_distributed"]
 
@@ -85,7 +85,7 @@ def _child_main(
     env: dict[str, str],
 ) -> Any:
     if rendezvous.kind != "none":
-        # The launcher variables torchrun would set, so code under test that
+        # As a launcher, the variables torchrun would set, so code under test that
         # reads them (ddpkit.get_local_rank, for one) sees a consistent picture.
         # Without a group the code under test starts its own job, so they stay unset.
         os.environ.update(

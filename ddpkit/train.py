@@ -4,17 +4,18 @@
 gradient accumulation without needless all-reduces, uint8 batches normalised
 on the device, exact validation, and a crash-safe checkpoint from rank 0
 after every epoch. Everything else stays yours: the model, the data, the
-optimiser and the schedule are arguments.
+optimiser and the schedule are arguments. How each step runs is a frozen
+:class:`TrainConfig`; what is shown and written is ``ddpkit.reporting``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import copy
+import dataclasses
 import logging
-import math
-import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,26 +24,71 @@ import torch
 from torch import nn
 
 from ddpkit import comm
-from ddpkit.checkpoint import CheckpointManager, save_checkpoint
-from ddpkit.data.loaders import set_epoch
+from ddpkit.checkpoint import CheckpointManager
+from ddpkit.data.samplers import set_epoch
 from ddpkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
+from ddpkit.devices import module_device
 from ddpkit.metrics import ClassificationTotals
 from ddpkit.parallel import no_sync, unwrap_model
+from ddpkit.reporting import ReportConfig, Reporter
 
-__all__ = ["History", "TrainingError", "evaluate", "fit"]
+__all__ = ["History", "ReportConfig", "TrainConfig", "TrainingError", "evaluate", "fit"]
 
 logger = logging.getLogger("ddpkit")
 
 Amp = Literal["bf16", "fp16"]
 Normalize = tuple[Sequence[float], Sequence[float]]
+Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # How often (in optimizer steps) rank 0 refreshes the progress bar; each
 # refresh reads the running loss from the device, a host sync.
 _REFRESH_STEPS = 20
+# fit()'s keyword arguments before they moved into TrainConfig / ReportConfig.
+_TRAIN_KEYS = ("amp", "grad_accum", "clip_grad_norm", "scheduler_per_step", "normalize", "device")
+_REPORT_KEYS = ("progress", "log_dir")
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss); the message names the epoch and step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How :func:`fit` runs each training step.
+
+    Attributes:
+        amp: ``"bf16"`` or ``"fp16"`` autocast; fp16 uses a GradScaler whose
+            state is checkpointed. None: full precision.
+        grad_accum: micro-batches per optimizer step, at least 1.
+        clip_grad_norm: clip the total gradient norm to this value (> 0).
+        scheduler_per_step: step the scheduler after each optimizer step
+            instead of after each epoch.
+        normalize: ``(mean, std)`` for uint8 batches, applied on the device;
+            None leaves batches as they come.
+        device: where batches go; default: the model's parameters' device.
+
+    Raises:
+        ValueError: a value out of range; the message names it.
+    """
+
+    amp: Amp | None = None
+    grad_accum: int = 1
+    clip_grad_norm: float | None = None
+    scheduler_per_step: bool = False
+    normalize: Normalize | None = (IMAGENET_MEAN, IMAGENET_STD)
+    device: torch.device | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.amp is not None and self.amp not in _AMP_DTYPES:
+            raise ValueError(f"amp must be 'bf16', 'fp16' or None, got {self.amp!r}")
+        if isinstance(self.grad_accum, bool) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}")
+        if self.normalize is not None and len(self.normalize[0]) != len(self.normalize[1]):
+            raise ValueError(
+                f"normalize=(mean, std) needs as many means as stds, got {self.normalize}"
+            )
 
 
 @dataclass
@@ -66,34 +112,31 @@ def fit(
     train_loader: Iterable[Any],
     optimizer: torch.optim.Optimizer,
     *,
-    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    criterion: Criterion,
     epochs: int,
     val_loader: Iterable[Any] | None = None,
     scheduler: Any = None,
-    scheduler_per_step: bool = False,
-    amp: Amp | None = None,
-    grad_accum: int = 1,
-    clip_grad_norm: float | None = None,
+    config: TrainConfig | None = None,
     checkpoints: CheckpointManager | None = None,
     resume: bool = False,
-    normalize: Normalize | None = (IMAGENET_MEAN, IMAGENET_STD),
-    device: torch.device | str | None = None,
-    progress: bool = True,
-    log_dir: str | os.PathLike[str] | None = None,
+    report: ReportConfig | None = None,
     callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
+    **deprecated: Any,
 ) -> History:
     """Train ``model`` for ``epochs`` epochs; every rank calls it with its own loaders.
 
     Each epoch: ``set_epoch`` on the loader's sampler; for each batch, move it
-    to the device (uint8 images are normalised there with ``normalize``),
-    forward under ``torch.autocast`` when ``amp`` is set, scale the loss by
-    ``1 / grad_accum`` and backward, inside ``no_sync`` except on the micro-step
+    to the device (uint8 images are normalised there), forward under
+    ``torch.autocast`` when ``config.amp`` is set, scale the loss by ``1 /
+    grad_accum`` and backward, inside ``no_sync`` except on the micro-step
     that completes an optimizer step; clip, step (through a GradScaler for
     fp16), zero the gradients. Then :func:`evaluate` on ``val_loader``, the
-    scheduler step, one record in the :class:`History` (and, on rank 0, a JSON
-    line in ``log_dir/metrics.jsonl`` and TensorBoard scalars when installed),
-    the callbacks, and ``checkpoints.save`` (a collective). Ctrl-C saves the
-    interrupted weights and optimizer to ``interrupted.pth`` on rank 0.
+    scheduler step, one record in the :class:`History` (and, on rank 0, what
+    ``report`` asks for), the callbacks, and ``checkpoints.save`` (a
+    collective). Ctrl-C saves the interrupted weights and optimizer through
+    ``checkpoints.save_interrupted``. Nothing passed in is changed beyond what
+    training does (the model's weights and mode, the optimizer, the
+    scheduler, the sampler's epoch).
 
     Args:
         model: the model, already on its device and wrapped (``wrap_ddp``).
@@ -103,95 +146,104 @@ def fit(
         epochs: train until this many epochs are done (counting resumed ones).
         val_loader: evaluated after each epoch; metrics are exact across ranks.
         scheduler: stepped after each epoch (or each optimizer step with
-            ``scheduler_per_step``).
-        scheduler_per_step: step the scheduler per optimizer step.
-        amp: ``"bf16"`` or ``"fp16"`` autocast; fp16 uses a GradScaler whose
-            state is checkpointed.
-        grad_accum: micro-batches per optimizer step.
-        clip_grad_norm: clip the total gradient norm to this value.
+            ``config.scheduler_per_step``).
+        config: how each step runs (:class:`TrainConfig`); default ``TrainConfig()``.
         checkpoints: where to save after each epoch (and resume from).
         resume: continue from ``checkpoints``' latest checkpoint.
-        normalize: ``(mean, std)`` for uint8 batches; None leaves batches as they come.
-        device: where batches go; default: the model's parameters' device.
-        progress: a tqdm bar on rank 0.
-        log_dir: rank 0 writes ``metrics.jsonl`` (and TensorBoard events) here.
+        report: what rank 0 shows and writes (:class:`ReportConfig`); default
+            ``ReportConfig()``: a progress bar, no files.
         callbacks: called with each epoch's record, on every rank.
+        **deprecated: ``amp``, ``grad_accum``, ``clip_grad_norm``,
+            ``scheduler_per_step``, ``normalize``, ``device`` (now in
+            ``config``) and ``progress``, ``log_dir`` (now in ``report``),
+            accepted with a ``DeprecationWarning`` until ddpkit 0.3.
 
     Returns:
         The :class:`History` of this run (resumed epochs are not repeated).
 
     Raises:
         TrainingError: a loss that is not finite (names the epoch and step).
-        ValueError: ``epochs``, ``grad_accum`` or ``amp`` is invalid, or
+        ValueError: ``epochs`` is negative, a config value is invalid, or
             ``resume`` without ``checkpoints``.
+        TypeError: an unknown keyword argument.
 
     Example:
         >>> history = fit(model, train_loader, optimizer, criterion=FocalLoss(gamma=2),
         ...               epochs=90, val_loader=val_loader, scheduler=scheduler,
-        ...               amp="bf16", checkpoints=CheckpointManager("checkpoints"))
+        ...               config=TrainConfig(amp="bf16"),
+        ...               checkpoints=CheckpointManager("checkpoints"))
     """
-    if epochs < 0 or grad_accum < 1:
-        raise ValueError(f"epochs must be >= 0 and grad_accum >= 1, got {epochs} and {grad_accum}")
-    if amp is not None and amp not in _AMP_DTYPES:
-        raise ValueError(f"amp must be 'bf16', 'fp16' or None, got {amp!r}")
+    config, report = _configs(config, report, deprecated)
+    if epochs < 0:
+        raise ValueError(f"epochs must be >= 0, got {epochs}")
     if resume and checkpoints is None:
         raise ValueError("resume=True needs checkpoints=CheckpointManager(directory)")
-    dev = torch.device(device) if device is not None else _model_device(model)
-    scaler = torch.amp.GradScaler(dev.type) if amp == "fp16" else None
+    dev = torch.device(config.device) if config.device is not None else module_device(model)
+    scaler = torch.amp.GradScaler(dev.type) if config.amp == "fp16" else None
     start = 0
     if resume and checkpoints is not None:
         start = checkpoints.resume(model, optimizer, scheduler, scaler)
         logger.info("resuming at epoch %d", start)
-    step = _Step(model, optimizer, criterion, dev, amp, scaler, grad_accum, clip_grad_norm)
-    writer = _MetricsWriter(log_dir) if comm.is_main_process() and log_dir is not None else None
+    step = _Step(model, optimizer, criterion, config, dev, scaler)
+    reporter = Reporter(report, is_main=comm.is_main_process())
     history = History()
     epoch = start
     try:
         for epoch in range(start, epochs):
-            record = _train_epoch(
-                step,
-                train_loader,
-                epoch,
-                epochs,
-                normalize,
-                scheduler,
-                scheduler_per_step,
-                progress,
-            )
+            record = _train_epoch(step, train_loader, epoch, epochs, scheduler, reporter)
             if val_loader is not None:
-                val = evaluate(model, val_loader, criterion=criterion, normalize=normalize, amp=amp)
+                val = evaluate(
+                    model,
+                    val_loader,
+                    criterion=criterion,
+                    normalize=config.normalize,
+                    amp=config.amp,
+                    device=dev,
+                )
                 record.update({f"val_{k}": v for k, v in val.items()})
-            if scheduler is not None and not scheduler_per_step:
+            if scheduler is not None and not config.scheduler_per_step:
                 scheduler.step()
             history.records.append(record)
-            if writer is not None:
-                writer.write(record)
+            reporter.epoch(record)
             for callback in callbacks:
                 callback(record)
             if checkpoints is not None:
                 metrics = {"acc1": record.get("val_acc1", 0.0), "loss": record["train_loss"]}
                 checkpoints.save(epoch, model, optimizer, scheduler, scaler, metrics=metrics)
-            if comm.is_main_process():
-                logger.info("epoch %d: %s", epoch, _summary(record))
     except KeyboardInterrupt:
-        if checkpoints is not None and comm.is_main_process():
-            path = os.path.join(checkpoints.directory, "interrupted.pth")
-            save_checkpoint(
-                {
-                    "epoch": epoch,
-                    "model": unwrap_model(model).state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                },
-                path,
-            )
-            logger.warning(
-                "interrupted in epoch %d; weights and optimizer saved to %s", epoch, path
-            )
+        if checkpoints is not None:
+            path = checkpoints.save_interrupted(epoch, model, optimizer)
+            if path is not None:
+                logger.warning(
+                    "interrupted in epoch %d; weights and optimizer saved to %s", epoch, path
+                )
         raise
     finally:
-        if writer is not None:
-            writer.close()
+        reporter.close()
     return history
+
+
+def _configs(
+    config: TrainConfig | None, report: ReportConfig | None, deprecated: dict[str, Any]
+) -> tuple[TrainConfig, ReportConfig]:
+    """The two configs, with the former keyword arguments of ``fit`` folded in."""
+    unknown = sorted(set(deprecated) - set(_TRAIN_KEYS) - set(_REPORT_KEYS))
+    if unknown:
+        raise TypeError(f"fit() got unexpected keyword argument(s) {unknown}")
+    config, report = config or TrainConfig(), report or ReportConfig()
+    if deprecated:
+        warnings.warn(
+            f"fit({', '.join(f'{k}=' for k in deprecated)}...): these options moved into "
+            "fit(config=TrainConfig(...)) and fit(report=ReportConfig(...)); the keyword "
+            "arguments will be removed in ddpkit 0.3",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        train = {k: v for k, v in deprecated.items() if k in _TRAIN_KEYS}
+        shown = {k: v for k, v in deprecated.items() if k in _REPORT_KEYS}
+        config = dataclasses.replace(config, **train)
+        report = dataclasses.replace(report, **shown)
+    return config, report
 
 
 @torch.no_grad()
@@ -221,7 +273,8 @@ def evaluate(
         >>> metrics = evaluate(model, val_loader, criterion=nn.CrossEntropyLoss())
     """
     net = unwrap_model(model)
-    dev = torch.device(device) if device is not None else _model_device(net)
+    dev = torch.device(device) if device is not None else module_device(net)
+    per_sample = _per_sample(criterion) if criterion is not None else None
     was_training = net.training
     net.eval()
     totals = ClassificationTotals(dev)
@@ -234,8 +287,8 @@ def evaluate(
             # float64: a sample's loss then does not depend on how the data was
             # split into batches or ranks, so the total is the same on any world size.
             loss_sum = (
-                _loss_sum(criterion, logits.double(), targets)
-                if criterion is not None
+                _loss_sum(per_sample, logits.double(), targets)
+                if per_sample is not None
                 else torch.tensor(float("nan"), device=dev)
             )
             totals.update(logits, targets, loss_sum)
@@ -253,31 +306,29 @@ class _Step:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        criterion: Criterion,
+        config: TrainConfig,
         device: torch.device,
-        amp: Amp | None,
         scaler: torch.amp.GradScaler | None,
-        grad_accum: int,
-        clip_grad_norm: float | None,
     ) -> None:
         self.model, self.optimizer, self.criterion = model, optimizer, criterion
-        self.device, self.amp, self.scaler = device, amp, scaler
-        self.grad_accum, self.clip = grad_accum, clip_grad_norm
+        self.config, self.device, self.scaler = config, device, scaler
 
     def __call__(self, images: torch.Tensor, targets: torch.Tensor, update: bool) -> torch.Tensor:
+        config = self.config
         # Only the micro-step that completes an update all-reduces gradients.
-        with no_sync(self.model, enabled=not update), _autocast(self.device, self.amp):
+        with no_sync(self.model, enabled=not update), _autocast(self.device, config.amp):
             loss = self.criterion(self.model(images), targets)
-        scaled = loss / self.grad_accum
+        scaled = loss / config.grad_accum
         if self.scaler is not None:
             self.scaler.scale(scaled).backward()  # type: ignore[no-untyped-call]
         else:
             scaled.backward()  # type: ignore[no-untyped-call]
         if update:
-            if self.clip is not None:
+            if config.clip_grad_norm is not None:
                 if self.scaler is not None:
                     self.scaler.unscale_(self.optimizer)
-                nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+                nn.utils.clip_grad_norm_(self.model.parameters(), config.clip_grad_norm)
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
@@ -292,38 +343,36 @@ def _train_epoch(
     loader: Iterable[Any],
     epoch: int,
     epochs: int,
-    normalize: Normalize | None,
     scheduler: Any,
-    scheduler_per_step: bool,
-    progress: bool,
+    reporter: Reporter,
 ) -> dict[str, Any]:
     if isinstance(loader, torch.utils.data.DataLoader):
         set_epoch(loader, epoch)  # reshuffles, and seeds this epoch's augmentations
     step.model.train()
+    config, dev = step.config, step.device
     batches = len(loader) if isinstance(loader, Sized) else None
-    bar = _progress_bar(progress, batches, f"epoch {epoch + 1}/{epochs}")
-    dev = step.device
+    bar = reporter.progress_bar(batches, f"epoch {epoch + 1}/{epochs}")
     loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
     # The first non-finite step, kept on the device: no host sync per step.
     first_bad = torch.full((), -1, dtype=torch.int64, device=dev)
     samples, start = 0, time.perf_counter()
     i = -1
     for i, (images, targets) in enumerate(loader):
-        images, targets = _to_device(images, targets, dev, normalize)
-        update = (i + 1) % step.grad_accum == 0 or (batches is not None and i + 1 == batches)
+        images, targets = _to_device(images, targets, dev, config.normalize)
+        update = (i + 1) % config.grad_accum == 0 or (batches is not None and i + 1 == batches)
         loss = step(images, targets, update)
         n = targets.shape[0]
         loss_sum += loss.double() * n
         bad_now = (first_bad < 0) & ~torch.isfinite(loss)
         first_bad = torch.where(bad_now, torch.full_like(first_bad, i), first_bad)
         samples += n
-        if update and scheduler is not None and scheduler_per_step:
+        if update and scheduler is not None and config.scheduler_per_step:
             scheduler.step()
         if bar is not None and (i % _REFRESH_STEPS == 0 or i + 1 == batches):
             _check_finite(first_bad, epoch)
             bar.set_postfix(loss=f"{loss_sum.item() / samples:.4f}", refresh=False)
             bar.update(i + 1 - bar.n)
-    if i >= 0 and (i + 1) % step.grad_accum != 0 and batches is None:
+    if i >= 0 and (i + 1) % config.grad_accum != 0 and batches is None:
         # An unsized loader ended mid-accumulation: apply what was accumulated.
         step.optimizer.step()
         step.optimizer.zero_grad(set_to_none=True)
@@ -366,75 +415,29 @@ def _to_device(
     return images, targets
 
 
-def _loss_sum(
-    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-) -> torch.Tensor:
+def _per_sample(criterion: Criterion) -> Criterion:
+    """``criterion`` returning one loss per sample: a copy with ``reduction="none"``.
+
+    The caller's criterion is not touched: a shallow copy shares its weights
+    and buffers but has its own ``reduction``.
+    """
+    reduction = getattr(criterion, "reduction", None)
+    if not isinstance(reduction, str) or reduction == "none":
+        return criterion
+    per_sample = copy.copy(criterion)
+    per_sample.reduction = "none"  # type: ignore[attr-defined]
+    return per_sample
+
+
+def _loss_sum(criterion: Criterion, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The sum of per-sample losses: exact over any split of the data into batches."""
-    if isinstance(getattr(criterion, "reduction", None), str):
-        saved = criterion.reduction  # type: ignore[attr-defined]
-        criterion.reduction = "none"  # type: ignore[attr-defined]
-        try:
-            return criterion(logits, targets).double().sum()
-        finally:
-            criterion.reduction = saved  # type: ignore[attr-defined]
-    return criterion(logits, targets).double() * targets.shape[0]
+    losses = criterion(logits, targets).double()
+    if losses.dim() == 0:  # a criterion without per-sample losses: its mean times the count
+        return losses * targets.shape[0]
+    return losses.sum()
 
 
 def _autocast(device: torch.device, amp: Amp | None) -> contextlib.AbstractContextManager[Any]:
     if amp is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=_AMP_DTYPES[amp])
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def _progress_bar(progress: bool, total: int | None, desc: str) -> Any:
-    if not progress or not comm.is_main_process():
-        return None
-    from tqdm.auto import tqdm  # type: ignore[import-untyped]
-
-    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
-
-
-def _summary(record: dict[str, Any]) -> str:
-    shown = ("train_loss", "val_acc1", "val_acc5", "val_loss", "train_images_per_sec")
-    return ", ".join(f"{k} {record[k]:.4g}" for k in shown if k in record)
-
-
-class _MetricsWriter:
-    """Rank 0's log: one JSON line per epoch, plus TensorBoard when it is installed."""
-
-    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
-        os.makedirs(log_dir, exist_ok=True)
-        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a", encoding="utf-8")  # noqa: SIM115
-        self._tb: Any = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(os.fspath(log_dir))
-        except ImportError:
-            pass
-
-    def write(self, record: dict[str, Any]) -> None:
-        clean = {
-            k: (v if not isinstance(v, float) or math.isfinite(v) else None)
-            for k, v in record.items()
-        }
-        self._jsonl.write(json.dumps(clean) + "\n")
-        self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, int | float) and key != "epoch":
-                    self._tb.add_scalar(key, value, record["epoch"])
-            self._tb.flush()
-
-    def close(self) -> None:
-        self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.data.shapes import make_shapes_dataset
+from ddpkit.devices import cpu_share
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoints", default="checkpoints", metavar="DIR")
     p.add_argument("--resume", action="store_true", help="continue from DIR/latest.pth")
-    p.add_argument("--network", default="seresnext", help="prefix of the per-epoch weight files")
+    p.add_argument("--network", default="seresnext", help="name prefix of the per-epoch weights")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--dist-url", help="tcp://<node 0 address>:<port>, env:// or file://")
     p.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"])
@@ -75,16 +74,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def choose_mode(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
-    """``"spawn"`` (-m-d), ``"launcher"`` (torchrun, SLURM, Open MPI set the ranks) or ``"single"``.
+def init_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``init_distributed`` needs beyond the launcher's variables.
 
-    ``"single"`` with ``--world-size N --dist-url`` is one process per node, as in the recipe.
+    The recipe's one-process-per-node mode (``--world-size N --rank R --dist-url``)
+    passes the job explicitly; otherwise ``init_distributed`` finds torchrun,
+    SLURM or Open MPI itself, or runs a single process.
     """
-    if args.multiprocessing_distributed:
-        return "spawn"
-    if ddpkit.detect_launcher(environ) is not None:
-        return "launcher"
-    return "single"
+    device = None if args.gpu is None else f"cuda:{args.gpu}"
+    if args.world_size > 1:
+        return {"init_method": args.dist_url, "world_size": args.world_size,
+                "rank": args.rank, "backend": args.dist_backend, "device": device}  # fmt: skip
+    return {"backend": args.dist_backend, "device": device}
 
 
 def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
@@ -104,7 +105,7 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         force=True,
     )
     if info.device.type == "cpu":  # share the cores instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+        torch.set_num_threads(cpu_share(info.local_world_size))
     torch.manual_seed(args.seed)
     size, data = args.image_size, Path(args.data)
     train_tf = ddpkit.train_transform(size, scale=(args.min_crop, 1.0))
@@ -127,28 +128,24 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, args.milestones, gamma=0.1)
-    checkpoints = ddpkit.CheckpointManager(args.checkpoints, network=args.network)
+    checkpoints = ddpkit.CheckpointManager(args.checkpoints, prefix=args.network)
     history = ddpkit.fit(
         model, train_loader, optimizer, criterion=criterion, epochs=args.epochs,
-        val_loader=val_loader, scheduler=scheduler, amp=args.amp, checkpoints=checkpoints,
-        resume=args.resume, progress=not args.demo,  # a bar on rank 0, except in the demo
+        val_loader=val_loader, scheduler=scheduler, config=ddpkit.TrainConfig(amp=args.amp),
+        checkpoints=checkpoints, resume=args.resume,
+        report=ddpkit.ReportConfig(progress=not args.demo),  # a bar on rank 0, not in the demo
     )  # fmt: skip
     return history.last if history.records else {}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Train in the mode ``choose_mode`` picks; returns this node's first process's record."""
-    mode = choose_mode(args, os.environ)
-    if mode == "spawn":
+    """Train with ``spawn`` (-m-d) or ``init_distributed``; returns this node's first record."""
+    if args.multiprocessing_distributed:
         return ddpkit.spawn(
             train, args.nprocs, args=(args,), nnodes=args.world_size, node_rank=args.rank,
             init_method=args.dist_url, backend=args.dist_backend,
         )[0]  # fmt: skip
-    nodes: dict[str, Any] = {}  # one process per node, the recipe's --world-size N --rank R
-    if mode == "single" and args.world_size > 1:
-        nodes = {"init_method": args.dist_url, "world_size": args.world_size, "rank": args.rank}
-    device = None if args.gpu is None else f"cuda:{args.gpu}"
-    with ddpkit.init_distributed(backend=args.dist_backend, device=device, **nodes) as info:
+    with ddpkit.init_distributed(**init_arguments(args)) as info:
         return train(info, args)
 
 

@@ -48,6 +48,14 @@ def write_description(info: ddpkit.DistInfo, outdir: str) -> None:
     Path(outdir, f"rank{info.rank}.json").write_text(json.dumps(describe(info)))
 
 
+def write_environment(info: ddpkit.DistInfo, outdir: str) -> None:
+    """spawn() target: record the launcher variables this child's environment holds."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT")
+    seen: dict[str, object] = {name: os.environ.get(name) for name in names}
+    seen["init_method"] = info.init_method
+    Path(outdir, f"env{info.rank}.json").write_text(json.dumps(seen))
+
+
 def fail_on_rank_one(info: ddpkit.DistInfo) -> None:
     """spawn() target: rank 1 raises while rank 0 waits in a collective."""
     if info.rank == 1:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 import ddpkit
 from ddpkit.cli import main
@@ -27,7 +29,15 @@ def test_console_script_version() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"ddpkit {ddpkit.__version__}"
-    assert ddpkit.__version__ == "0.1.0"
+
+
+def test_version_is_the_installed_one_and_has_a_changelog_section() -> None:
+    assert importlib.metadata.version("ddpkit") == ddpkit.__version__
+    version = Version(ddpkit.__version__)  # a valid PEP 440 version
+    changelog = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
+    # A release has its own section; a development version collects under Unreleased.
+    heading = "## [Unreleased]" if version.is_devrelease else f"## [{version}]"
+    assert heading in changelog
 
 
 def test_python_dash_m_help() -> None:

@@ -337,3 +337,47 @@ def test_a_failing_rank_does_not_leave_the_others_waiting() -> None:
     assert outcome1 == "rank 1 gives up"
     assert outcome0 == "barrier failed"
     assert waited < 30
+
+
+def _environment_around_a_job(rank: int, world_size: int, url: str) -> dict[str, object]:
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE"):
+        os.environ.pop(name, None)  # as on a machine where nobody set them
+    before = dict(os.environ)
+    info = init_distributed(url, world_size=world_size, rank=rank)
+    during = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    gloo = os.environ.get("GLOO_SOCKET_IFNAME")
+    local = ddpkit.get_local_rank()
+    ddpkit.shutdown(info)
+    return {
+        "during": during,
+        "gloo": gloo,
+        "set": sorted(name for name, _ in info.environ_before),
+        "restored": dict(os.environ) == before,
+        "local_rank": info.local_rank,
+        "get_local_rank": local,
+    }
+
+
+def test_init_writes_no_rank_and_puts_back_what_it_set() -> None:
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    out = run_distributed(_environment_around_a_job, 2, args=(url,), init=None, timeout=120)
+    for rank, seen in enumerate(out):
+        # Where the process sits travels in DistInfo, not through the environment.
+        assert seen["during"] == {"RANK": None, "LOCAL_RANK": None, "WORLD_SIZE": None}
+        assert seen["local_rank"] == rank
+        assert seen["get_local_rank"] == 0  # no launcher set one; DistInfo knows better
+        assert seen["gloo"] == "lo"
+        assert {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"} <= set(seen["set"])  # type: ignore[arg-type]
+        assert seen["restored"] is True
+
+
+def test_a_failed_join_puts_the_environment_back(plain_env: None) -> None:
+    before = dict(os.environ)
+    with pytest.raises(RendezvousError):
+        init_distributed(
+            f"tcp://127.0.0.1:{_free_port()}",
+            world_size=2,
+            rank=1,
+            rendezvous_timeout=timedelta(seconds=1),
+        )
+    assert dict(os.environ) == before

@@ -106,13 +106,78 @@ def _documented_parameters(name: str) -> list[str] | None:
     return [n for n in fields if isinstance(n, str)] or None  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("name", sorted(set(ddpkit.__all__) - {"__version__"} | TESTING_NAMES))
-def test_api_md_signatures_match_the_code(name: str) -> None:
+def _public(name: str) -> object:
     import ddpkit.testing
 
-    obj = getattr(ddpkit, name, None) or getattr(ddpkit.testing, name)
-    if not callable(obj) or (isinstance(obj, type) and issubclass(obj, BaseException)):
-        return  # constants and exceptions document no parameters
+    return getattr(ddpkit, name, None) or getattr(ddpkit.testing, name)
+
+
+def _is_exception(obj: object) -> bool:
+    return isinstance(obj, type) and issubclass(obj, BaseException)
+
+
+PUBLIC = sorted(set(ddpkit.__all__) - {"__version__"} | TESTING_NAMES)
+EXCEPTIONS = [n for n in PUBLIC if _is_exception(_public(n))]
+CONSTANTS = [n for n in PUBLIC if not callable(_public(n))]
+CALLABLES = [n for n in PUBLIC if n not in EXCEPTIONS and n not in CONSTANTS]
+
+
+def test_every_public_name_is_checked_one_way() -> None:
+    assert sorted(EXCEPTIONS + CONSTANTS + CALLABLES) == PUBLIC
+    assert EXCEPTIONS
+    assert CONSTANTS
+
+
+@pytest.mark.parametrize("name", CALLABLES)
+def test_api_md_signatures_match_the_code(name: str) -> None:
     documented = _documented_parameters(name)
     assert documented is not None, f"{name}: the code block shows no parameters"
-    assert documented == list(inspect.signature(obj).parameters), name
+    assert documented == list(inspect.signature(_public(name)).parameters), name  # type: ignore[arg-type]
+
+
+def _first_block(name: str) -> str:
+    section = API.read_text(encoding="utf-8").split(f"### `{name}`", 1)[1]
+    block = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert block is not None, f"{name}: no code block"
+    return block.group(1)
+
+
+@pytest.mark.parametrize("name", EXCEPTIONS)
+def test_api_md_shows_each_exception_with_its_base(name: str) -> None:
+    cls = _public(name)
+    assert isinstance(cls, type)
+    definition = ast.parse(_first_block(name)).body[0]
+    assert isinstance(definition, ast.ClassDef), name
+    assert definition.name == name
+    bases = [ast.unparse(b) for b in definition.bases]
+    assert bases == [cls.__bases__[0].__name__], name
+
+
+@pytest.mark.parametrize("name", CONSTANTS)
+def test_api_md_shows_each_constant_with_its_value(name: str) -> None:
+    assignment = ast.parse(_first_block(name)).body[0]
+    assert isinstance(assignment, ast.Assign), name
+    assert ast.literal_eval(assignment.value) == _public(name)
+
+
+def _anchor(heading: str) -> str:
+    """The id GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    kept = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return kept.replace(" ", "-")
+
+
+def _used_anchors() -> set[str]:
+    anchors = set()
+    for path in (ROOT / "ddpkit").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "see":
+                anchors.add(ast.literal_eval(node.args[0]))
+    return anchors
+
+
+def test_error_messages_point_to_sections_that_exist() -> None:
+    guide = (ROOT / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
+    headings = {_anchor(h) for h in re.findall(r"^#{2,4} (.+)$", guide, re.MULTILINE)}
+    used = _used_anchors()
+    assert len(used) >= 5, "the check finds too few see() calls"
+    assert sorted(used - headings) == []

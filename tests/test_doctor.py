@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddpkit.cli import main
 from ddpkit.doctor import (
@@ -19,7 +20,8 @@ from ddpkit.doctor import (
     format_report,
     run_checks,
 )
-from ddpkit.network import list_interfaces
+from ddpkit.interfaces import list_interfaces
+from ddpkit.network import configure_network
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux interfaces")
 
@@ -32,7 +34,6 @@ _ENV_VARS = (
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "GROUP_RANK",
-    "DDPKIT_LAUNCHER",
     "TORCHELASTIC_USE_AGENT_STORE",
     "SLURM_PROCID",
     "SLURM_NTASKS",
@@ -107,7 +108,8 @@ def test_checks_come_in_order_and_never_fail_on_a_plain_machine(free_port: int, 
     assert exit_code(checks) == 0
     assert _check(checks, "versions").status == "INFO"
     assert "torch " in _check(checks, "versions").detail
-    assert _check(checks, "GPUs").status in ("OK", "WARN")
+    gpus = _check(checks, "GPUs")
+    assert gpus.status == ("OK" if torch.cuda.is_available() else "WARN"), gpus
     assert "127.0.0.1" in _check(checks, "interfaces").detail
     route = _check(checks, "route to master")
     assert route.status == "OK"
@@ -360,3 +362,33 @@ def test_console_script(free_port: int) -> None:
         f"[ OK ] master port:        port {free_port} is free: rank 0 can host the "
         "rendezvous store here"
     )
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"GLOO_SOCKET_IFNAME": "lo"},
+        {"NCCL_IB_DISABLE": "1"},
+        {"NCCL_SOCKET_IFNAME": "=lo", "GLOO_SOCKET_IFNAME": "lo"},
+    ],
+    ids=["nothing-set", "gloo-set", "ib-off", "both-set"],
+)
+def test_doctor_shows_what_configure_network_applies(
+    env: dict[str, str], free_port: int, no_ib: str
+) -> None:
+    checks = run_checks(
+        master_addr="127.0.0.1", master_port=free_port, environ=dict(env), ib_sysfs=no_ib
+    )
+    applied = configure_network(master_addr="127.0.0.1", environ=dict(env), ib_sysfs=no_ib)
+    where = {
+        "NCCL_SOCKET_IFNAME": "NCCL_SOCKET_IFNAME",
+        "GLOO_SOCKET_IFNAME": "GLOO_SOCKET_IFNAME",
+        "NCCL_IB_DISABLE": "InfiniBand",
+    }
+    for name, value in applied.items():
+        line = _check(checks, where[name]).detail
+        assert f"sets it to {value} " in line or f"sets {name}={value}" in line, (name, line)
+    for name, check in where.items():
+        if name not in applied:  # kept from the environment, or nothing to set
+            assert "init_distributed sets" not in _check(checks, check).detail, name

@@ -100,25 +100,27 @@ def test_gpu_with_spawn_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
-    ("argv", "environ", "mode"),
+    ("argv", "explicit"),
     [
-        ([], {}, "single"),
-        (["--world-size", "2", "--rank", "1", "--dist-url", "tcp://h:1"], {}, "single"),
-        (["--multiprocessing-distributed"], {}, "spawn"),
-        ([], {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}, "launcher"),
-        ([], {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}, "launcher"),
-        ([], {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, "single"),
+        ([], {}),
+        (["--world-size", "2", "--rank", "1", "--dist-url", "tcp://h:1"],
+         {"init_method": "tcp://h:1", "world_size": 2, "rank": 1}),
+        (["--gpu", "1"], {"device": "cuda:1"}),
+        (["--dist-backend", "gloo"], {"backend": "gloo"}),
     ],
-)
-def test_choose_mode(
-    monkeypatch: pytest.MonkeyPatch, argv: list[str], environ: dict[str, str], mode: str
-) -> None:
-    for name in _LAUNCH_VARS:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in environ.items():
-        monkeypatch.setenv(name, value)
+)  # fmt: skip
+def test_init_arguments(argv: list[str], explicit: dict[str, object]) -> None:
+    # Only the recipe's own node arguments are passed; a launcher's variables are
+    # init_distributed's to read, so the example never looks at the environment.
     args = example.parse_args(["--data", "d", *argv])
-    assert example.choose_mode(args, os.environ) == mode
+    expected = {"backend": "auto", "device": None, **explicit}
+    assert example.init_arguments(args) == expected
+
+
+def test_the_example_leaves_launchers_to_init_distributed() -> None:
+    source = SCRIPT.read_text()
+    assert "detect_launcher" not in source
+    assert "os.environ" not in source
 
 
 @pytest.mark.timeout(60)

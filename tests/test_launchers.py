@@ -1,10 +1,18 @@
-"""Launcher detection from torchrun, SLURM and Open MPI variables."""
+"""The launcher's variables: torchrun, SLURM, Open MPI, MASTER_ADDR / MASTER_PORT."""
 
 from __future__ import annotations
 
 import pytest
 
-from ddpkit.launchers import detect_launcher, expand_hostlist, slurm_master_port
+from ddpkit.launchers import (
+    MasterEndpoint,
+    detect_launcher,
+    expand_hostlist,
+    local_world_size,
+    master_endpoint,
+    parse_port,
+    slurm_master_port,
+)
 
 
 def test_plain_process_has_no_launcher() -> None:
@@ -142,3 +150,55 @@ def test_expand_hostlist(hostlist: str, hosts: list[str]) -> None:
 def test_expand_hostlist_rejects_malformed(bad: str) -> None:
     with pytest.raises(ValueError, match="host list"):
         expand_hostlist(bad)
+
+
+def test_master_endpoint_prefers_master_variables() -> None:
+    env = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NODELIST": "gpu[03-04]",
+        "SLURM_JOB_ID": "42",
+    }
+    found = master_endpoint(env)
+    assert (found.addr, found.port, found.source) == (
+        "gpu03",
+        str(slurm_master_port("42")),
+        "slurm",
+    )
+    found = master_endpoint({**env, "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "23456"})
+    assert (found.addr, found.port, found.source) == ("10.0.0.9", "23456", "MASTER_ADDR")
+    assert master_endpoint({}) == MasterEndpoint(None, None, "")
+
+
+def test_master_endpoint_without_detection_reads_only_master_variables() -> None:
+    env = {"RANK": "zero", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    with pytest.raises(ValueError, match="RANK='zero'"):
+        master_endpoint(env)
+    assert master_endpoint(env, detect=False) == MasterEndpoint("h", "1", "MASTER_ADDR")
+
+
+@pytest.mark.parametrize("bad", ["0", "65536", "-1", "http", ""])
+def test_parse_port_refuses_what_is_not_a_port(bad: str) -> None:
+    with pytest.raises(ValueError, match=f"MASTER_PORT='{bad}' is not a port number 1..65535"):
+        parse_port(bad, "MASTER_PORT")
+    assert parse_port("29500", "MASTER_PORT") == 29500
+
+
+def test_malformed_master_port_of_a_launcher_is_named() -> None:
+    with pytest.raises(ValueError, match="MASTER_PORT='x'"):
+        detect_launcher({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "x"})
+
+
+def test_local_world_size() -> None:
+    assert local_world_size({}) == 1
+    assert local_world_size({"LOCAL_WORLD_SIZE": "3"}) == 3
+    assert local_world_size({"LOCAL_WORLD_SIZE": "0"}) == 1
+    assert local_world_size({"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == 4
+    assert local_world_size({"RANK": "x", "WORLD_SIZE": "8"}) == 1  # malformed: none
+
+
+def test_torchelastic_restart_is_read() -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "r1"}
+    got = detect_launcher({**env, "TORCHELASTIC_RESTART_COUNT": "3"})
+    assert got is not None
+    assert (got.run_id, got.restart_count) == ("r1", 3)

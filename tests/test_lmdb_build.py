@@ -1,4 +1,4 @@
-"""build_lmdb, verify_lmdb and describe_lmdb on real image files."""
+"""build_lmdb on real image files: sources, checks, errors, interruption, overwrite."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import threading
 from functools import cache
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,15 +18,12 @@ import pytest
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
-from ddpkit.data.lmdb_build import (
+from ddpkit.data import (
     BuildSummary,
     ImageError,
     build_lmdb,
-    describe_lmdb,
-    verify_lmdb,
 )
 from ddpkit.data.lmdb_format import (
-    FORMAT_VERSION,
     LMDBFormatError,
     open_env,
     read_index,
@@ -344,29 +340,6 @@ def test_max_side_shrinks_only_large_images(tmp_path: Path) -> None:
     assert stored["b/small.jpg"] == small.read_bytes()
     assert large.stat().st_size > len(stored["a/large.jpg"])
     assert read_index(tmp_path / "db").metadata["max_side"] == "256"
-
-
-def test_verify_and_describe(tree: Path, tmp_path: Path) -> None:
-    db = tmp_path / "db"
-    build_lmdb(tree, db, progress=False)
-    assert verify_lmdb(db, workers=2) == []
-
-    _, _, paths, _ = _read_back(db)
-    target = paths.index("apple/a2.jpg")
-    env = lmdb.open(str(db), subdir=True)
-    with env.begin(write=True) as txn:
-        txn.put(sample_key(target), b"\xff\xd8 definitely not the rest of a JPEG")
-    env.close()
-    bad = verify_lmdb(db)
-    assert [i for i, _ in bad] == [target]
-    assert bad[0][1].startswith("apple/a2.jpg: ")
-
-    info = describe_lmdb(db)
-    assert info["samples"] == 10
-    assert info["classes"] == {"Zebra": 3, "apple": 5, "bird": 2}
-    assert info["format_version"] == FORMAT_VERSION
-    assert info["size_bytes"] == sum(f.stat().st_size for f in db.iterdir())
-    assert info["metadata"]["source"] == str(tree)
 
 
 def test_auto_detection_needs_a_recognisable_source(tmp_path: Path) -> None:

@@ -1,17 +1,14 @@
-"""ddpkit.data.loaders: the exact evaluation sampler, build_loader and set_epoch."""
+"""build_loader: per-process batches, samplers, workers and their seeds, on real ranks."""
 
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
+from loader_fixtures import Indices, Noisy, info
 from torch.utils.data import (
-    Dataset,
     DistributedSampler,
     IterableDataset,
     RandomSampler,
@@ -19,71 +16,12 @@ from torch.utils.data import (
 )
 
 from ddpkit import comm
-from ddpkit.data.loaders import DistributedEvalSampler, build_loader, set_epoch
-from ddpkit.dist import DistInfo
+from ddpkit.data import DistributedEvalSampler, build_loader, set_epoch
 from ddpkit.testing import run_distributed
 
 
-def _info(rank: int = 1, world_size: int = 4, local_world_size: int = 4) -> DistInfo:
-    return DistInfo(
-        rank=rank,
-        local_rank=rank % local_world_size,
-        world_size=world_size,
-        local_world_size=local_world_size,
-        node_rank=0,
-        device=torch.device("cpu"),
-        backend="gloo",
-        is_distributed=True,
-    )
-
-
-class _Indices(Dataset[int]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        return index
-
-
-class _Noisy(Dataset[tuple[int, int, float, float]]):
-    """Each item draws from torch, Python and numpy RNGs, as augmentations do."""
-
-    def __len__(self) -> int:
-        return 32
-
-    def __getitem__(self, index: int) -> tuple[int, int, float, float]:
-        return index, int(torch.randint(0, 2**30, ())), random.random(), float(np.random.rand())
-
-
-@pytest.mark.parametrize("n", [0, 1, 7, 10, 13, 101])
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
-def test_eval_sampler_sees_every_index_once(n: int, world: int) -> None:
-    samplers = [DistributedEvalSampler(n, num_replicas=world, rank=r) for r in range(world)]
-    parts = [list(s) for s in samplers]
-    assert sorted(i for part in parts for i in part) == list(range(n))
-    assert [len(s) for s in samplers] == [len(p) for p in parts]
-    assert max(map(len, parts)) - min(map(len, parts)) <= 1
-    assert parts[0] == list(range(0, n, world))
-
-
-def test_eval_sampler_defaults_and_errors() -> None:
-    sampler = DistributedEvalSampler(_Indices(5))
-    assert (sampler.num_replicas, sampler.rank) == (comm.get_world_size(), comm.get_rank())
-    sampler.set_epoch(3)
-    assert list(sampler) == [0, 1, 2, 3, 4]
-    with pytest.raises(ValueError, match=r"rank 2 is outside 0\.\.1"):
-        DistributedEvalSampler(5, num_replicas=2, rank=2)
-    with pytest.raises(ValueError, match="num_replicas must be at least 1, got 0"):
-        DistributedEvalSampler(5, num_replicas=0, rank=0)
-    with pytest.raises(ValueError, match="-1"):
-        DistributedEvalSampler(-1, num_replicas=1, rank=0)
-
-
 def _loaders_on_each_rank(rank: int, world_size: int) -> dict[str, Any]:
-    dataset = _Indices(10)
+    dataset = Indices(10)
     evaluation = build_loader(dataset, batch_size=4, train=False, workers=0)
     seen = [int(i) for batch in evaluation for i in batch]
     training = build_loader(dataset, batch_size=2, train=True, workers=0, seed=5)
@@ -109,7 +47,7 @@ def test_loaders_split_the_data_across_real_ranks() -> None:
 
 
 def test_global_batch_is_divided_over_the_ranks() -> None:
-    loader = build_loader(_Indices(100), global_batch_size=64, train=True, workers=0, info=_info())
+    loader = build_loader(Indices(100), global_batch_size=64, train=True, workers=0, info=info())
     assert loader.batch_size == 16
     # Training samplers hand out (epoch, index) pairs around torch's sampler.
     inner = loader.sampler.inner  # type: ignore[attr-defined]
@@ -122,12 +60,12 @@ def test_global_batch_is_divided_over_the_ranks() -> None:
 
 def test_global_batch_that_does_not_divide_suggests_neighbours() -> None:
     with pytest.raises(ValueError, match="global_batch_size=100") as err:
-        build_loader(_Indices(10), global_batch_size=100, train=True, info=_info(1, 8, 8))
+        build_loader(Indices(10), global_batch_size=100, train=True, info=info(1, 8, 8))
     assert "96" in str(err.value)
     assert "104" in str(err.value)
     assert "batch_size=12" in str(err.value)
     with pytest.raises(ValueError, match="use 8, or pass batch_size=1"):
-        build_loader(_Indices(10), global_batch_size=3, train=True, info=_info(1, 8, 8))
+        build_loader(Indices(10), global_batch_size=3, train=True, info=info(1, 8, 8))
 
 
 @pytest.mark.parametrize(
@@ -142,7 +80,7 @@ def test_global_batch_that_does_not_divide_suggests_neighbours() -> None:
 )
 def test_bad_batch_arguments(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        build_loader(_Indices(10), train=False, info=_info(), **kwargs)
+        build_loader(Indices(10), train=False, info=info(), **kwargs)
 
 
 def test_iterable_dataset_is_refused() -> None:
@@ -155,9 +93,9 @@ def test_iterable_dataset_is_refused() -> None:
 
 
 def test_single_process_samplers_and_defaults() -> None:
-    info = _info(0, 1, 1)
-    train = build_loader(_Indices(10), batch_size=3, train=True, workers=0, info=info)
-    evaluation = build_loader(_Indices(10), batch_size=3, train=False, workers=0, info=info)
+    one = info(0, 1, 1)
+    train = build_loader(Indices(10), batch_size=3, train=True, workers=0, info=one)
+    evaluation = build_loader(Indices(10), batch_size=3, train=False, workers=0, info=one)
     assert isinstance(train.sampler.inner, RandomSampler)  # type: ignore[attr-defined]
     assert train.drop_last
     assert isinstance(evaluation.sampler, SequentialSampler)
@@ -167,12 +105,12 @@ def test_single_process_samplers_and_defaults() -> None:
 
 
 def test_batch_size_may_be_passed_by_position() -> None:
-    loader = build_loader(_Indices(10), 4, train=False, workers=0, info=_info(0, 1, 1))
+    loader = build_loader(Indices(10), 4, train=False, workers=0, info=info(0, 1, 1))
     assert loader.batch_size == 4
 
 
 def test_eval_loader_on_several_ranks_is_exact_and_keeps_the_tail() -> None:
-    loader = build_loader(_Indices(10), batch_size=4, train=False, workers=0, info=_info(1, 4))
+    loader = build_loader(Indices(10), batch_size=4, train=False, workers=0, info=info(1, 4))
     assert isinstance(loader.sampler, DistributedEvalSampler)
     assert not loader.drop_last
     assert [i for batch in loader for i in batch.tolist()] == [1, 5, 9]
@@ -180,11 +118,11 @@ def test_eval_loader_on_several_ranks_is_exact_and_keeps_the_tail() -> None:
 
 def test_workers_zero_drops_worker_options() -> None:
     loader = build_loader(
-        _Indices(10),
+        Indices(10),
         batch_size=2,
         train=True,
         workers=0,
-        info=_info(),
+        info=info(),
         prefetch_factor=4,
         persistent_workers=True,
         multiprocessing_context="spawn",
@@ -196,21 +134,21 @@ def test_workers_zero_drops_worker_options() -> None:
 
 def test_worker_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
-    loader = build_loader(_Indices(10), batch_size=2, train=False, info=_info(1, 4, 4))
+    loader = build_loader(Indices(10), batch_size=2, train=False, info=info(1, 4, 4))
     assert loader.num_workers == 3  # 12 usable CPUs over 4 local processes
     assert loader.persistent_workers
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert build_loader(_Indices(10), batch_size=2, train=False).num_workers == 6
+    assert build_loader(Indices(10), batch_size=2, train=False).num_workers == 6
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    assert build_loader(_Indices(10), batch_size=2, train=False).num_workers == 8
+    assert build_loader(Indices(10), batch_size=2, train=False).num_workers == 8
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    assert build_loader(_Indices(10), batch_size=2, train=False).num_workers == 1
+    assert build_loader(Indices(10), batch_size=2, train=False).num_workers == 1
 
 
 def _first_batches(seed: int, rank: int = 0, world: int = 1) -> list[list[float]]:
     """The first two batches (one from each worker), as [indices, torch, random, numpy]."""
     loader = build_loader(
-        _Noisy(), batch_size=4, train=True, workers=2, seed=seed, info=_info(rank, world, world)
+        Noisy(), batch_size=4, train=True, workers=2, seed=seed, info=info(rank, world, world)
     )
     batches = iter(loader)
     first, second = next(batches), next(batches)
@@ -231,89 +169,3 @@ def test_worker_randomness_is_reproducible_per_seed_and_rank() -> None:
     # The two workers' Python and numpy RNGs are seeded apart, not forked copies.
     for values in first[1:]:
         assert len(set(values)) == len(values)
-
-
-@pytest.mark.parametrize("world", [1, 3])
-def test_set_epoch_changes_the_order_reproducibly(world: int) -> None:
-    def order(epoch: int) -> list[int]:
-        loader = build_loader(
-            _Indices(30), batch_size=5, train=True, workers=0, seed=3, info=_info(0, world, world)
-        )
-        set_epoch(loader, epoch)
-        return [i for batch in loader for i in batch.tolist()]
-
-    assert order(0) == order(0)
-    assert order(0) != order(1)
-    assert order(1) == order(1)
-    loader = build_loader(
-        _Indices(30), batch_size=5, train=True, workers=0, seed=3, info=_info(0, world, world)
-    )
-    set_epoch(loader, 1)
-    list(loader)
-    set_epoch(loader, 0)
-    assert [i for batch in loader for i in batch.tolist()] == order(0)
-
-
-def test_set_epoch_leaves_samplers_without_it_alone() -> None:
-    loader = build_loader(_Indices(4), batch_size=2, train=False, workers=0, info=_info(0, 1, 1))
-    set_epoch(loader, 5)
-    assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
-
-
-class _RandomCrops(Dataset[tuple[int, float]]):
-    """Stands in for random augmentation: each item draws from all three RNGs."""
-
-    def __len__(self) -> int:
-        return 12
-
-    def __getitem__(self, index: int) -> tuple[int, float]:
-        return index, float(torch.rand(1)) + random.random() + float(np.random.rand())
-
-
-def _augmentations(
-    workers: int, persistent: bool, epochs: list[int]
-) -> dict[tuple[int, int], float]:
-    loader = build_loader(
-        _RandomCrops(),
-        batch_size=4,
-        train=True,
-        workers=workers,
-        seed=7,
-        info=_info(0, 1, 1),
-        persistent_workers=persistent,
-    )
-    seen = {}
-    for epoch in epochs:
-        set_epoch(loader, epoch)
-        for indices, values in loader:
-            seen.update({(epoch, int(i)): float(v) for i, v in zip(indices, values, strict=True)})
-    return seen
-
-
-def test_augmentation_depends_only_on_seed_epoch_and_sample() -> None:
-    straight = _augmentations(0, False, [0, 1, 2])
-    assert len(straight) == 36  # every sample in every epoch
-    assert straight[(0, 3)] != straight[(1, 3)]  # a new draw each epoch
-    # Any worker count, persistent or not, and a "resumed" loader started at epoch 2:
-    assert _augmentations(2, True, [0, 1, 2]) == straight
-    assert _augmentations(1, False, [0, 1, 2]) == straight
-    resumed = _augmentations(2, True, [2])
-    assert resumed == {k: v for k, v in straight.items() if k[0] == 2}
-
-
-def test_in_process_loading_leaves_the_training_rngs_alone() -> None:
-    loader = build_loader(_RandomCrops(), batch_size=4, train=True, workers=0, info=_info(0, 1, 1))
-    torch.manual_seed(123)
-    expected = torch.rand(3)
-    torch.manual_seed(123)
-    list(loader)
-    assert torch.equal(torch.rand(3), expected)
-
-
-def test_epochs_advance_without_set_epoch() -> None:
-    loader = build_loader(_RandomCrops(), batch_size=12, train=True, workers=0, info=_info(0, 1, 1))
-    first, second = (next(iter(loader))[0].tolist() for _ in range(2))
-    set_epoch(loader, 0)
-    again = next(iter(loader))[0].tolist()
-    assert first == again  # epoch 0 again
-    assert first != second  # the second pass was epoch 1, not a repeat of epoch 0

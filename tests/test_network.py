@@ -1,4 +1,4 @@
-"""ddpkit.network against this machine's real interfaces and routing table."""
+"""The network plan: plan_network decides, configure_network applies, on this machine."""
 
 from __future__ import annotations
 
@@ -7,30 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from net_fixtures import loopback
 
-from ddpkit.network import (
-    NetworkConfigError,
-    check_socket_ifname,
-    configure_network,
-    infiniband_devices,
-    list_interfaces,
-    route_interface,
-)
+from ddpkit import NetworkConfigError, configure_network, plan_network
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux interfaces")
-
-
-def _loopback() -> str:
-    return next(name for name, addrs in list_interfaces().items() if "127.0.0.1" in addrs)
-
-
-def _own_ipv4() -> tuple[str, str] | None:
-    """Return (interface, address) for a non-loopback IPv4 address of this machine."""
-    for name, addrs in list_interfaces().items():
-        for addr in addrs:
-            if "." in addr and not addr.startswith("127."):
-                return name, addr
-    return None
 
 
 @pytest.fixture
@@ -38,41 +19,9 @@ def no_ib(tmp_path: Path) -> str:
     return str(tmp_path / "no-infiniband")
 
 
-def test_list_interfaces_has_loopback() -> None:
-    interfaces = list_interfaces()
-    lo = _loopback()
-    assert "127.0.0.1" in interfaces[lo]
-    assert all("%" not in a for addrs in interfaces.values() for a in addrs)
-
-
-@pytest.mark.parametrize("addr", ["127.0.0.1", "localhost"])
-def test_route_interface_loopback(addr: str) -> None:
-    assert route_interface(addr) == _loopback()
-
-
-def test_route_interface_own_address() -> None:
-    own = _own_ipv4()
-    if own is None:
-        pytest.skip("no non-loopback IPv4 address on this machine")
-    name, addr = own
-    assert route_interface(addr) == name
-
-
-def test_route_interface_unresolvable() -> None:
-    with pytest.raises(NetworkConfigError, match=r"no-such-host\.invalid.*MASTER_ADDR"):
-        route_interface("no-such-host.invalid")
-
-
-def test_infiniband_devices(tmp_path: Path) -> None:
-    assert infiniband_devices(str(tmp_path / "missing")) == []
-    (tmp_path / "mlx5_1").mkdir()
-    (tmp_path / "mlx5_0").mkdir()
-    assert infiniband_devices(str(tmp_path)) == ["mlx5_0", "mlx5_1"]
-
-
 def test_configure_auto_routes_to_master(no_ib: str, caplog: pytest.LogCaptureFixture) -> None:
     env: dict[str, str] = {}
-    lo = _loopback()
+    lo = loopback()
     with caplog.at_level(logging.INFO, logger="ddpkit"):
         out = configure_network(environ=env, master_addr="127.0.0.1", ib_sysfs=no_ib)
     assert out == {
@@ -87,7 +36,7 @@ def test_configure_auto_routes_to_master(no_ib: str, caplog: pytest.LogCaptureFi
 def test_configure_auto_reads_master_addr_from_environ(no_ib: str) -> None:
     env = {"MASTER_ADDR": "localhost"}
     out = configure_network(environ=env, ib_sysfs=no_ib)
-    assert out["GLOO_SOCKET_IFNAME"] == _loopback()
+    assert out["GLOO_SOCKET_IFNAME"] == loopback()
 
 
 def test_configure_auto_without_master_sets_no_interface(no_ib: str) -> None:
@@ -106,7 +55,7 @@ def test_configure_auto_unroutable_master() -> None:
 
 
 def test_configure_keeps_user_values(no_ib: str, caplog: pytest.LogCaptureFixture) -> None:
-    lo = _loopback()
+    lo = loopback()
     env = {"NCCL_SOCKET_IFNAME": lo, "GLOO_SOCKET_IFNAME": lo, "NCCL_IB_DISABLE": "0"}
     with caplog.at_level(logging.INFO, logger="ddpkit"):
         out = configure_network(environ=env, master_addr="127.0.0.1", ib_sysfs=no_ib)
@@ -116,7 +65,7 @@ def test_configure_keeps_user_values(no_ib: str, caplog: pytest.LogCaptureFixtur
 
 
 def test_configure_force_overwrites(no_ib: str) -> None:
-    lo = _loopback()
+    lo = loopback()
     env = {"NCCL_SOCKET_IFNAME": "^docker", "GLOO_SOCKET_IFNAME": "nosuch0", "NCCL_DEBUG": "WARN"}
     out = configure_network(
         environ=env, master_addr="127.0.0.1", debug="info", force=True, ib_sysfs=no_ib
@@ -131,7 +80,7 @@ def test_configure_force_overwrites(no_ib: str) -> None:
 
 
 def test_configure_explicit_names(no_ib: str) -> None:
-    lo = _loopback()
+    lo = loopback()
     out = configure_network(environ={}, socket_ifname=lo, ib_sysfs=no_ib)
     assert out["NCCL_SOCKET_IFNAME"] == lo
     assert out["GLOO_SOCKET_IFNAME"] == lo
@@ -144,7 +93,7 @@ def test_configure_rejects_missing_interface() -> None:
     env: dict[str, str] = {}
     with pytest.raises(NetworkConfigError, match="nosuch0") as info:
         configure_network(environ=env, socket_ifname="nosuch0")
-    assert _loopback() in str(info.value)  # lists what exists
+    assert loopback() in str(info.value)  # lists what exists
     assert env == {}
 
 
@@ -184,38 +133,73 @@ def test_configure_debug() -> None:
         configure_network(environ={}, socket_ifname=None, debug="verbose")
 
 
-def test_check_socket_ifname() -> None:
-    lo = _loopback()
-    for value in (lo, "=" + lo, lo[:1], "^docker", "^=docker0", f"{lo},{lo}"):
-        assert check_socket_ifname(value, for_gloo=False) is None, value
-    assert check_socket_ifname(lo, for_gloo=True) is None
-    assert check_socket_ifname(f"{lo},{lo}", for_gloo=True) is None
+def test_plan_changes_nothing_and_apply_writes_exactly_its_changes(no_ib: str) -> None:
+    lo = loopback()
+    env = {"NCCL_DEBUG": "WARN"}
+    plan = plan_network(master_addr="127.0.0.1", environ=env, ib_sysfs=no_ib)
+    assert env == {"NCCL_DEBUG": "WARN"}  # planning alone writes nothing
+    assert plan.route == lo
+    assert plan.master_addr == "127.0.0.1"
+    assert {s.name: s.value for s in plan.changes} == {
+        "NCCL_SOCKET_IFNAME": "=" + lo,
+        "GLOO_SOCKET_IFNAME": lo,
+        "NCCL_IB_DISABLE": "1",
+    }
+    kept = plan.setting("NCCL_DEBUG")
+    assert kept is not None
+    assert (kept.action, kept.value) == ("keep", "WARN")
+    assert all(s.previous is None for s in plan.changes)
+    assert plan.apply(env) == {s.name: s.value for s in plan.changes}
+    assert env["NCCL_SOCKET_IFNAME"] == "=" + lo
 
-    problem = check_socket_ifname("nosuch0", for_gloo=False)
-    assert problem is not None
-    assert "nosuch0" in problem
-    assert lo in problem
-    everything = "^=" + ",".join(list_interfaces())
-    assert "excludes every interface" in (check_socket_ifname(everything, for_gloo=False) or "")
-    assert "Gloo takes interface names" in (check_socket_ifname("^lo", for_gloo=True) or "")
-    assert "Gloo takes interface names" in (check_socket_ifname("=" + lo, for_gloo=True) or "")
-    assert check_socket_ifname(lo[:1] + "#", for_gloo=True) is not None  # a prefix is not a name
-    assert check_socket_ifname("", for_gloo=False) is not None
+
+def test_configure_network_applies_the_plan(no_ib: str) -> None:
+    for env in ({}, {"GLOO_SOCKET_IFNAME": "lo"}, {"NCCL_IB_DISABLE": "0"}):
+        planned = plan_network(master_addr="localhost", environ=dict(env), ib_sysfs=no_ib)
+        applied = configure_network(master_addr="localhost", environ=dict(env), ib_sysfs=no_ib)
+        assert applied == {s.name: s.value for s in planned.changes}, env
 
 
-@pytest.mark.parametrize(
-    ("value", "for_gloo", "selected"),
-    [
-        ("eth", False, True),  # NCCL: a prefix
-        ("eth", True, False),  # Gloo: exact names only
-        ("=eth0", False, True),
-        ("=eth", False, False),
-        ("^docker,lo", False, True),
-        ("^eth", False, False),
-        ("lo,eth0", True, True),
-    ],
-)
-def test_ifname_selects(value: str, for_gloo: bool, selected: bool) -> None:
-    from ddpkit.network import ifname_selects
+def test_plan_records_what_configure_network_refuses() -> None:
+    env = {"GLOO_SOCKET_IFNAME": "nosuch9"}
+    plan = plan_network(socket_ifname=None, environ=env)
+    setting = plan.setting("GLOO_SOCKET_IFNAME")
+    assert setting is not None
+    assert setting.problem is not None
+    assert "nosuch9" in setting.problem
+    assert plan.errors
+    with pytest.raises(NetworkConfigError, match="nosuch9"):
+        plan.apply(env)
+    assert env == {"GLOO_SOCKET_IFNAME": "nosuch9"}
 
-    assert ifname_selects(value, "eth0", for_gloo=for_gloo) is selected
+
+def test_force_records_the_previous_values(no_ib: str) -> None:
+    lo = loopback()
+    env = {"NCCL_SOCKET_IFNAME": "^docker", "NCCL_IB_DISABLE": "0"}
+    plan = plan_network(master_addr="127.0.0.1", environ=env, force=True, ib_sysfs=no_ib)
+    previous = {s.name: s.previous for s in plan.changes}
+    assert previous == {"NCCL_SOCKET_IFNAME": "^docker", "GLOO_SOCKET_IFNAME": None,
+                        "NCCL_IB_DISABLE": "0"}  # fmt: skip
+    assert plan.setting("NCCL_SOCKET_IFNAME").value == "=" + lo  # type: ignore[union-attr]
+
+
+def test_master_from_a_slurm_node_list(no_ib: str) -> None:
+    env = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_ID": "7",
+    }
+    plan = plan_network(environ=env, ib_sysfs=no_ib)
+    assert plan.master_addr == "localhost"
+    assert plan.route == loopback()
+
+
+def test_unroutable_master_with_both_variables_set_is_not_an_error(no_ib: str) -> None:
+    lo = loopback()
+    env = {"NCCL_SOCKET_IFNAME": lo, "GLOO_SOCKET_IFNAME": lo}
+    plan = plan_network(master_addr="no-such-host.invalid", environ=env, ib_sysfs=no_ib)
+    assert plan.route is None
+    assert plan.route_error is not None
+    assert not plan.errors
+    assert plan.apply(dict(env)) == {"NCCL_IB_DISABLE": "1"}

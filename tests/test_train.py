@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,12 +12,23 @@ from torch import nn
 from torch.utils.data import TensorDataset
 from train_jobs import NoisyBlobs, small_net, train_run
 
-from ddpkit import CheckpointManager, build_loader, evaluate, fit, wrap_ddp
-from ddpkit.checkpoint import load_checkpoint
-from ddpkit.dist import DistInfo
+from ddpkit import (
+    CheckpointManager,
+    DistInfo,
+    ReportConfig,
+    TrainConfig,
+    build_loader,
+    evaluate,
+    fit,
+    load_checkpoint,
+    wrap_ddp,
+)
 from ddpkit.metrics import topk_correct
 from ddpkit.testing import run_distributed
 from ddpkit.train import TrainingError
+
+QUIET = ReportConfig(progress=False)
+RAW = TrainConfig(normalize=None)  # the test data are not images
 
 
 def _info(rank: int = 0, world: int = 1) -> DistInfo:
@@ -112,9 +124,8 @@ def _train_linear(grad_accum: int, batch_size: int, epochs: int = 2) -> nn.Modul
         torch.optim.SGD(model.parameters(), lr=0.1),
         criterion=nn.CrossEntropyLoss(),
         epochs=epochs,
-        grad_accum=grad_accum,
-        normalize=None,
-        progress=False,
+        config=TrainConfig(grad_accum=grad_accum, normalize=None),
+        report=QUIET,
     )
     return model
 
@@ -141,11 +152,9 @@ def test_amp_on_cpu_runs_and_checkpoints_the_scaler(amp: str, tmp_path: Path) ->
         criterion=nn.CrossEntropyLoss(),
         epochs=2,
         val_loader=val,
-        amp=amp,  # type: ignore[arg-type]
+        config=TrainConfig(amp=amp, normalize=None),  # type: ignore[arg-type]
         checkpoints=CheckpointManager(tmp_path),
-        normalize=None,
-        progress=False,
-        log_dir=tmp_path / "logs",
+        report=ReportConfig(progress=False, log_dir=tmp_path / "logs"),
     )
     assert len(history.records) == 2
     assert all(torch.isfinite(torch.tensor(r["train_loss"])) for r in history.records)
@@ -177,8 +186,8 @@ def test_non_finite_loss_names_epoch_and_step() -> None:
             torch.optim.SGD(model.parameters(), lr=0.1),
             criterion=exploding,
             epochs=3,
-            normalize=None,
-            progress=False,
+            config=RAW,
+            report=QUIET,
         )
 
 
@@ -209,7 +218,7 @@ def test_uint8_batches_are_normalised_on_the_device() -> None:
         torch.optim.SGD(model.parameters(), lr=0.1),
         criterion=nn.CrossEntropyLoss(),
         epochs=1,
-        progress=False,
+        report=QUIET,
     )
     assert seen[0].dtype == torch.float32
     expected = (1.0 - 0.485) / 0.229  # channel 0 of a white image
@@ -220,12 +229,75 @@ def test_fit_arguments_are_checked() -> None:
     model = nn.Linear(6, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = build_loader(_linear_data(), batch_size=8, train=True, workers=0, info=_info())
-    with pytest.raises(ValueError, match="grad_accum"):
-        fit(model, loader, opt, criterion=nn.CrossEntropyLoss(), epochs=1, grad_accum=0)
-    with pytest.raises(ValueError, match="amp must be"):
-        fit(model, loader, opt, criterion=nn.CrossEntropyLoss(), epochs=1, amp="fp8")  # type: ignore[arg-type]
+    loss = nn.CrossEntropyLoss()
     with pytest.raises(ValueError, match="resume=True needs checkpoints"):
-        fit(model, loader, opt, criterion=nn.CrossEntropyLoss(), epochs=1, resume=True)
+        fit(model, loader, opt, criterion=loss, epochs=1, resume=True)
+    with pytest.raises(ValueError, match="epochs must be >= 0"):
+        fit(model, loader, opt, criterion=loss, epochs=-1)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        fit(model, loader, opt, criterion=loss, epochs=1, grad_acum=2)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"grad_accum": 0}, "grad_accum must be >= 1"),
+        ({"grad_accum": -1}, "grad_accum must be >= 1"),
+        ({"amp": "fp8"}, "amp must be 'bf16', 'fp16' or None"),
+        ({"clip_grad_norm": 0.0}, "clip_grad_norm must be > 0"),
+        ({"clip_grad_norm": -1.0}, "clip_grad_norm must be > 0"),
+        ({"normalize": ((0.5, 0.5, 0.5), (0.2,))}, "as many means as stds"),
+    ],
+)
+def test_train_config_is_checked_when_made(fields: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_configs_are_frozen() -> None:
+    config = TrainConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.grad_accum = 2  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        TrainConfig(1)  # type: ignore[misc]  # keyword-only
+
+
+def test_former_keyword_arguments_still_work_with_a_warning(tmp_path: Path) -> None:
+    def train(**options: object) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Linear(6, 2)
+        loader = build_loader(_linear_data(), batch_size=4, train=True, workers=0, info=_info())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fit(model, loader, opt, criterion=nn.CrossEntropyLoss(), epochs=1, **options)  # type: ignore[arg-type]
+        return model
+
+    with pytest.warns(DeprecationWarning, match="grad_accum=, normalize=, progress=, log_dir="):
+        old = train(grad_accum=2, normalize=None, progress=False, log_dir=tmp_path)
+    new = train(config=TrainConfig(grad_accum=2, normalize=None), report=QUIET)
+    for a, b in zip(old.parameters(), new.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert (tmp_path / "metrics.jsonl").exists()
+
+
+def test_fit_and_evaluate_leave_the_criterion_alone() -> None:
+    calls: list[tuple[int, str]] = []
+
+    class Recording(nn.CrossEntropyLoss):
+        def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            calls.append((id(self), self.reduction))
+            return super().forward(logits, targets)
+
+    criterion = Recording()
+    model = nn.Linear(6, 2)
+    loader = build_loader(_linear_data(), batch_size=8, train=True, workers=0, info=_info())
+    val = build_loader(_linear_data(), batch_size=8, train=False, workers=0, info=_info())
+    fit(model, loader, torch.optim.SGD(model.parameters(), lr=0.1), criterion=criterion,
+        epochs=1, val_loader=val, config=RAW, report=QUIET)  # fmt: skip
+    assert criterion.reduction == "mean"
+    # Every call on the caller's object saw its own reduction; per-sample losses
+    # for exact validation came from a copy.
+    assert {r for who, r in calls if who == id(criterion)} == {"mean"}
+    assert {r for who, r in calls if who != id(criterion)} == {"none"}
 
 
 def test_noisy_blobs_are_learnable() -> None:
@@ -242,8 +314,8 @@ def test_noisy_blobs_are_learnable() -> None:
         criterion=nn.CrossEntropyLoss(),
         epochs=10,
         val_loader=val,
-        normalize=None,
-        progress=False,
+        config=RAW,
+        report=QUIET,
     )
     assert history.last["val_acc1"] > 80
     assert history.last["train_loss"] < history.records[0]["train_loss"]

@@ -6,8 +6,15 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddpkit import CheckpointManager, build_loader, fit, wrap_ddp
-from ddpkit.dist import DistInfo
+from ddpkit import (
+    CheckpointManager,
+    DistInfo,
+    ReportConfig,
+    TrainConfig,
+    build_loader,
+    fit,
+    wrap_ddp,
+)
 
 
 class NoisyBlobs(Dataset[tuple[torch.Tensor, int]]):
@@ -66,9 +73,9 @@ def train_run(
         criterion=nn.CrossEntropyLoss(),
         epochs=epochs,
         scheduler=scheduler,
-        checkpoints=CheckpointManager(directory, network="tiny"),
+        checkpoints=CheckpointManager(directory, prefix="tiny"),
         resume=resume,
-        normalize=None,
-        progress=False,
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(progress=False),
     )
     return {k: v.clone() for k, v in model.module.state_dict().items()}

@@ -1,9 +1,11 @@
 """Datasets, transforms and loaders: the LMDB format, its builder and dataset, loaders."""
 
-from ddpkit.data.lmdb_build import BuildSummary, ImageError, build_lmdb, describe_lmdb, verify_lmdb
+from ddpkit.data.lmdb_build import BuildSummary, ImageError, build_lmdb
 from ddpkit.data.lmdb_dataset import LazyLMDBDataset
 from ddpkit.data.lmdb_format import LMDBFormatError, read_index
-from ddpkit.data.loaders import DistributedEvalSampler, build_loader, set_epoch
+from ddpkit.data.lmdb_inspect import VerifyReport, describe_lmdb, verify_lmdb, verify_report
+from ddpkit.data.loaders import build_loader
+from ddpkit.data.samplers import DistributedEvalSampler, set_epoch
 from ddpkit.data.shapes import SHAPE_CLASSES, make_shapes_dataset
 from ddpkit.data.transforms import (
     IMAGENET_MEAN,
@@ -22,6 +24,7 @@ __all__ = [
     "ImageError",
     "LMDBFormatError",
     "LazyLMDBDataset",
+    "VerifyReport",
     "build_lmdb",
     "build_loader",
     "describe_lmdb",
@@ -32,4 +35,5 @@ __all__ = [
     "train_transform",
     "val_transform",
     "verify_lmdb",
+    "verify_report",
 ]

@@ -8,34 +8,22 @@ directory has no index record, so it never opens as a finished database.
 
 from __future__ import annotations
 
-import io
-import itertools
 import os
 import secrets
 import shutil
 import time
-from collections import deque
-from collections.abc import Callable, Generator, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 import lmdb
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
-from ddpkit.data.lmdb_format import (
-    FORMAT_NAME,
-    INDEX_KEY,
-    LMDBFormatError,
-    encode_index,
-    open_env,
-    read_index,
-    sample_key,
-)
+from ddpkit.data.images import Check, prepare_image
+from ddpkit.data.lmdb_format import INDEX_KEY, encode_index, sample_key
 from ddpkit.data.lmdb_sources import (
     Sample,
     Source,
@@ -44,17 +32,15 @@ from ddpkit.data.lmdb_sources import (
     list_source,
     parquet_source,
 )
-from ddpkit.data.loaders import usable_cpus
+from ddpkit.data.threads import ordered_map
+from ddpkit.devices import usable_cpus
 
-__all__ = ["BuildSummary", "ImageError", "build_lmdb", "describe_lmdb", "verify_lmdb"]
+__all__ = ["BuildSummary", "ImageError", "build_lmdb"]
 
-_CHUNK = 16  # images per task handed to a worker thread
 _COMMIT_SAMPLES = 1000
 _COMMIT_BYTES = 256 << 20
 # A modest first reservation: the map doubles whenever a batch does not fit.
 _INITIAL_MAP_SIZE = 1 << 30
-_T = TypeVar("_T")
-_R = TypeVar("_R")
 
 
 class ImageError(ValueError):
@@ -221,62 +207,6 @@ def build_lmdb(
     )
 
 
-def verify_lmdb(
-    path: str | os.PathLike[str], *, workers: int | None = None, progress: bool = False
-) -> list[tuple[int, str]]:
-    """Fully decode every sample of a database, in parallel threads.
-
-    Args:
-        path: the database.
-        workers: decoding threads (default: usable CPUs).
-        progress: show a tqdm bar on stderr.
-
-    Returns:
-        ``(index, reason)`` of each sample that does not decode, the reason
-        naming its ``path`` column entry when the index has one; empty when all do.
-
-    Raises:
-        FileNotFoundError, LMDBFormatError: ``path`` is not a ddpkit database.
-
-    Example:
-        >>> for index, reason in verify_lmdb("data/train.lmdb"):  # doctest: +SKIP
-        ...     print(index, reason)
-    """
-    _, bad = _bad_samples(path, workers, progress)
-    return [(i, f"{name}: {why}" if name else why) for i, name, why in bad]
-
-
-def describe_lmdb(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What ``ddpkit lmdb info`` shows, as a JSON-ready dict.
-
-    Returns:
-        ``path``, ``format``, ``format_version``, ``ddpkit_version`` (that wrote
-        it), ``samples``, ``classes`` (name -> sample count, in label order),
-        ``size_bytes`` (its files on disk) and ``metadata`` (source, builder options).
-
-    Raises:
-        FileNotFoundError, LMDBFormatError: ``path`` is not a ddpkit database.
-
-    Example:
-        >>> describe_lmdb("data/train.lmdb")["samples"]  # doctest: +SKIP
-        1281167
-    """
-    path = os.fspath(path)
-    index = read_index(path)
-    counts = np.bincount(index.labels, minlength=len(index.classes))
-    files = [os.path.join(path, f) for f in os.listdir(path)] if os.path.isdir(path) else [path]
-    return {
-        "path": os.path.abspath(path),
-        "format": FORMAT_NAME,
-        "format_version": index.version,
-        "ddpkit_version": index.ddpkit_version,
-        "samples": len(index),
-        "classes": {name: int(n) for name, n in zip(index.classes, counts, strict=True)},
-        "size_bytes": sum(os.path.getsize(f) for f in files if os.path.isfile(f)),
-        "metadata": dict(index.metadata),
-    }
-
-
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
@@ -298,81 +228,24 @@ def _check_output(output: str, overwrite: bool) -> None:
 
 
 def _prepare_chunk(
-    chunk: list[Sample], *, check: str, max_side: int | None, quality: int
+    chunk: list[Sample], *, check: Check, max_side: int | None, quality: int
 ) -> list[tuple[bytes | None, str]]:
     """``(bytes to store, "")`` or ``(None, why it is unusable)`` for each image.
 
-    Runs in worker threads: file reads, PIL decoding, resizing and encoding
-    release the GIL.
+    Runs in worker threads: file reads, decoding, resizing and encoding release the GIL.
     """
-    return [_prepare(sample, check, max_side, quality) for sample in chunk]
-
-
-def _prepare(
-    sample: Sample, check: str, max_side: int | None, quality: int
-) -> tuple[bytes | None, str]:
-    try:
+    prepared: list[tuple[bytes | None, str]] = []
+    for sample in chunk:
         data = sample.data
         if data is None and sample.file is not None:
-            with open(sample.file, "rb") as f:
-                data = f.read()
-        if data is None:
-            return None, "no record under its key: the database is damaged"
-        if not data:
-            return None, "empty (0 bytes)"
-        if check == "none" and max_side is None:
-            return data, ""
-        with Image.open(io.BytesIO(data)) as image:  # reads the header only
-            if max_side is not None and max(image.size) > max_side:
-                return _shrink(image, max_side, quality), ""
-            if check == "decode":
-                image.load()
-        return data, ""
-    except UnidentifiedImageError:
-        return None, "not an image format PIL can identify"
-    # Whatever a damaged file makes PIL raise (OSError, SyntaxError,
-    # DecompressionBombError ...) is a fact about that image, not a bug here.
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-
-
-def _shrink(image: Image.Image, max_side: int, quality: int) -> bytes:
-    if image.mode not in ("RGB", "L"):
-        image = image.convert("RGB")  # palette, alpha, CMYK ...: resample in RGB
-    # thumbnail() keeps the aspect, lets a JPEG decode at a reduced scale first, then Lanczos.
-    image.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
-    out = io.BytesIO()
-    image.convert("RGB").save(out, format="JPEG", quality=quality)
-    return out.getvalue()
-
-
-def _ordered_map(
-    fn: Callable[[list[_T]], _R], items: Iterable[_T], workers: int
-) -> Generator[tuple[list[_T], _R], None, None]:
-    """``(chunk, fn(chunk))`` over chunks of ``items``, in order, ``fn`` in ``workers`` threads.
-
-    A few chunks per thread are in flight at most, so memory stays bounded
-    however long the source is. Close it (``contextlib.closing``) to cancel
-    the rest at once when the consumer stops early.
-    """
-    it = iter(items)
-    chunks = iter(lambda: list(itertools.islice(it, _CHUNK)), [])
-    if workers == 1:
-        yield from ((chunk, fn(chunk)) for chunk in chunks)
-        return
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="ddpkit-lmdb")
-    pending: deque[tuple[list[_T], Future[_R]]] = deque()
-    try:
-        for chunk in chunks:
-            pending.append((chunk, pool.submit(fn, chunk)))
-            if len(pending) >= 4 * workers:
-                done, future = pending.popleft()
-                yield done, future.result()
-        while pending:
-            done, future = pending.popleft()
-            yield done, future.result()
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)  # prompt on errors and Ctrl-C
+            try:
+                with open(sample.file, "rb") as f:
+                    data = f.read()
+            except OSError as exc:  # a fact about this image, like a damaged file
+                prepared.append((None, f"{type(exc).__name__}: {exc}"))
+                continue
+        prepared.append(prepare_image(data, check, max_side, quality))
+    return prepared
 
 
 def _write(
@@ -403,7 +276,7 @@ def _write(
     try:
         with (
             tqdm(total=src.total, unit="img", disable=not progress, desc="lmdb build") as bar,
-            closing(_ordered_map(prepare, src.samples, workers)) as prepared,
+            closing(ordered_map(prepare, src.samples, workers)) as prepared,
         ):
             for chunk, results in prepared:
                 for sample, (data, reason) in zip(chunk, results, strict=True):
@@ -459,35 +332,3 @@ def _move_into_place(tmp: str, output: str) -> None:
         os.rename(aside, output)
         raise
     shutil.rmtree(aside) if os.path.isdir(aside) else os.remove(aside)
-
-
-def _bad_samples(
-    path: str | os.PathLike[str], workers: int | None, progress: bool
-) -> tuple[int, list[tuple[int, str, str]]]:
-    """The sample count, and ``(index, path entry or "", reason)`` of each that does not decode."""
-    try:
-        index = read_index(path, columns=("path",))
-        names: Sequence[str] = index.columns["path"]
-    except LMDBFormatError:
-        index = read_index(path)  # built without a path column
-        names = [""] * len(index)
-    decode = partial(_prepare_chunk, check="decode", max_side=None, quality=0)
-    bad = []
-    env = open_env(path)
-    try:
-        with env.begin() as txn:
-            records = (Sample(names[i], i, None, txn.get(sample_key(i))) for i in range(len(index)))
-            with (
-                tqdm(total=len(index), unit="img", disable=not progress, desc="lmdb verify") as bar,
-                closing(_ordered_map(decode, records, workers or usable_cpus())) as decoded,
-            ):
-                for chunk, results in decoded:
-                    bad += [
-                        (s.label, s.name, why)
-                        for s, (_, why) in zip(chunk, results, strict=True)
-                        if why
-                    ]
-                    bar.update(len(chunk))
-    finally:
-        env.close()
-    return len(index), bad

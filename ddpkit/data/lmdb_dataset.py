@@ -12,7 +12,6 @@ workers can read one database at once.
 from __future__ import annotations
 
 import bisect
-import io
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -20,15 +19,9 @@ from typing import Any, Literal
 
 import lmdb
 import numpy as np
-import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
-try:  # torchvision's codecs are announced to move to TorchCodec; Pillow still decodes.
-    from torchvision.io import ImageReadMode, decode_image
-except ImportError:  # pragma: no cover - only without torchvision.io's image codecs
-    decode_image = None
-
+from ddpkit.data.images import decode_pil, decode_tensor
 from ddpkit.data.lmdb_format import (
     LEGACY_KEYS,
     LMDBFormatError,
@@ -184,8 +177,8 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
             return bytes(raw)
         try:
             if self.decode == "pil":
-                return _to_rgb(Image.open(io.BytesIO(raw)))
-            return _decode_tensor(raw)
+                return decode_pil(raw)
+            return decode_tensor(raw)
         except Exception as exc:
             shard, local = self._locate(index)
             raise LMDBFormatError(
@@ -281,33 +274,6 @@ def _legacy_loads(value: bytes, path: str) -> Any:
             "pyarrow<12 and build from them."
         )
     return pickle.loads(value)
-
-
-def _to_rgb(image: Image.Image) -> Image.Image:
-    # As torchvision's ImageFolder loader does: alpha is dropped, not composited,
-    # so decode="pil" and decode="tensor" see the same pixels.
-    return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def _decode_tensor(raw: bytearray) -> torch.Tensor:
-    if decode_image is None:
-        return _decode_with_pillow(raw)
-    try:
-        image: torch.Tensor = decode_image(
-            torch.frombuffer(raw, dtype=torch.uint8), mode=ImageReadMode.RGB
-        )
-    except RuntimeError:
-        return _decode_with_pillow(raw)  # formats torchvision does not decode: BMP, TIFF ...
-    if image.ndim == 4:  # an animated image: its first frame
-        image = image[0]
-    if image.dtype != torch.uint8:  # 16-bit PNG
-        image = (image.to(torch.float32) / 257.0).round().to(torch.uint8)
-    return image
-
-
-def _decode_with_pillow(raw: bytearray) -> torch.Tensor:
-    array = np.array(_to_rgb(Image.open(io.BytesIO(raw))))
-    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
 
 def _preview(classes: Sequence[str]) -> str:

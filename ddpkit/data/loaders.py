@@ -1,11 +1,8 @@
-"""DataLoaders for DDP: the right sampler, the per-process batch, workers and seeds."""
+"""``build_loader``: a DataLoader with the right sampler, per-process batch, workers and seeds."""
 
 from __future__ import annotations
 
-import os
-import random
-from collections.abc import Callable, Iterator, Sized
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,210 +12,31 @@ from torch.utils.data import (
     Dataset,
     DistributedSampler,
     IterableDataset,
-    RandomSampler,
     Sampler,
     SequentialSampler,
-    get_worker_info,
 )
 
 from ddpkit import comm
-from ddpkit.dist import DistInfo
+from ddpkit.data.samplers import (
+    DistributedEvalSampler,
+    EpochIndexSampler,
+    EpochRandomSampler,
+    SeededSamples,
+    set_epoch,
+)
+from ddpkit.devices import cpu_share
+from ddpkit.job import DistInfo
+from ddpkit.launchers import local_world_size
 
+# set_epoch and DistributedEvalSampler: re-exported beside the loader they serve.
 __all__ = ["DistributedEvalSampler", "build_loader", "set_epoch"]
 
 
-class DistributedEvalSampler(Sampler[int]):
-    """Give each rank a strided share of the dataset, every index exactly once.
-
-    Rank ``r`` of ``R`` gets ``range(r, n, R)``, in order, unpadded: lengths
-    differ by at most one. ``DistributedSampler(shuffle=False)`` instead repeats
-    samples to even the ranks out, and counts them twice in validation metrics.
-    As one rank may run one batch more than another, run no collective per
-    evaluation batch: sum on each rank and reduce once at the end.
-
-    Args:
-        dataset_or_len: the dataset (anything with ``len()``) or its length.
-        num_replicas: number of ranks; defaults to ``ddpkit.get_world_size()``.
-        rank: this rank; defaults to ``ddpkit.get_rank()``.
-
-    Raises:
-        ValueError: ``num_replicas`` is below 1, ``rank`` is outside
-            ``0..num_replicas - 1``, or the length is negative.
-
-    Example:
-        >>> sampler = DistributedEvalSampler(val_set)
-        >>> loader = DataLoader(val_set, batch_size=256, sampler=sampler)
-    """
-
-    def __init__(
-        self,
-        dataset_or_len: Sized | int,
-        *,
-        num_replicas: int | None = None,
-        rank: int | None = None,
-    ) -> None:
-        super().__init__()
-        n = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
-        self.num_replicas = comm.get_world_size() if num_replicas is None else num_replicas
-        self.rank = comm.get_rank() if rank is None else rank
-        if n < 0:
-            raise ValueError(f"the dataset length must be >= 0, got {n}")
-        if self.num_replicas < 1:
-            raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}")
-        if not 0 <= self.rank < self.num_replicas:
-            raise ValueError(
-                f"rank {self.rank} is outside 0..{self.num_replicas - 1} for "
-                f"num_replicas={self.num_replicas}; pass the rank and world size of this job"
-            )
-        self._indices = range(self.rank, n, self.num_replicas)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._indices)
-
-    def __len__(self) -> int:
-        return len(self._indices)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Do nothing: the order never changes. Here so any sampler takes ``set_epoch``."""
-
-
-class _EpochRandomSampler(RandomSampler):
-    """A RandomSampler whose order is a function of ``(seed, epoch)`` after set_epoch."""
-
-    def __init__(self, data_source: Sized, seed: int) -> None:
-        super().__init__(data_source, generator=torch.Generator().manual_seed(seed))
-        self.seed = seed
-
-    def set_epoch(self, epoch: int) -> None:
-        assert self.generator is not None
-        self.generator.manual_seed(self.seed + epoch)
-
-
-class _EpochIndexSampler(Sampler[tuple[int, int]]):
-    """Yield ``(epoch, index)`` pairs, so a worker knows which epoch a sample belongs to.
-
-    ``set_epoch`` is passed on to the wrapped sampler. An epoch started without
-    it follows the previous one (epoch + 1), so forgetting the call no longer
-    repeats the first epoch's order and augmentations.
-    """
-
-    def __init__(self, inner: Sampler[int]) -> None:
-        super().__init__()
-        self.inner = inner
-        self.epoch = 0
-        self._epoch_given = False
-        self._started = False
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-        self._epoch_given = True
-        setter = getattr(self.inner, "set_epoch", None)
-        if callable(setter):
-            setter(epoch)
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        if self._started and not self._epoch_given:
-            self.set_epoch(self.epoch + 1)
-        self._started, self._epoch_given = True, False
-        epoch = self.epoch
-        return ((epoch, index) for index in self.inner)
-
-    def __len__(self) -> int:
-        return len(self.inner)  # type: ignore[arg-type]
-
-
-class _SeededSamples(Dataset[Any]):
-    """Draw each sample's augmentation from RNGs seeded by ``(seed, epoch, index)``.
-
-    A sample's random crop is then the same whichever worker loads it, however
-    many workers there are, whether they persist between epochs, and whether
-    the run was resumed from a checkpoint: that is what makes a resumed run
-    bit-identical to an uninterrupted one. The rank is not part of the seed, so
-    the augmentations do not depend on the world size either.
-    """
-
-    def __init__(self, dataset: Dataset[Any], seed: int) -> None:
-        self.dataset = dataset
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
-        with _seeded(_sample_seed(self.seed, epoch, index)):
-            return self.dataset[index]
-
-    def __getattr__(self, name: str) -> Any:
-        # .classes, .targets ... of the wrapped dataset; guard against lookups
-        # before __init__ ran (unpickling), which would recurse.
-        if name == "dataset":
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _sample_seed(seed: int, epoch: int, index: int) -> int:
-    # splitmix64 over a combination that is unique for (seed, epoch, index)
-    # within any realistic range: 2**32 samples, 2**24 epochs.
-    x = ((seed & 0xFFFFFFFF) << 88 | (epoch & 0xFFFFFF) << 64 | index) & ((1 << 120) - 1)
-    z = (x ^ (x >> 64)) & _MASK64
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
-@contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    # In a worker the RNGs are the worker's own; in this process (workers=0)
-    # they are the training loop's, so they are put back afterwards.
-    in_worker = get_worker_info() is not None
-    saved = None if in_worker else (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    random.seed(seed)
-    np.random.seed(seed & 0xFFFFFFFF)
-    torch.default_generator.manual_seed(seed)  # the CPU generator only, not CUDA's
-    try:
-        yield
-    finally:
-        if saved is not None:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-            torch.set_rng_state(saved[2])
-
-
-def set_epoch(loader: DataLoader[Any], epoch: int) -> None:
-    """Tell the loader's sampler which epoch starts, so each epoch has its own order.
-
-    ``DistributedSampler`` shuffles with ``seed + epoch``; without this call
-    every epoch repeats the first one's order. Call it before each epoch on
-    every rank. Samplers without ``set_epoch`` are left alone.
-
-    Args:
-        loader: a DataLoader, typically from :func:`build_loader`.
-        epoch: the epoch about to start (0, 1, ...).
-
-    Example:
-        >>> for epoch in range(epochs):
-        ...     set_epoch(train_loader, epoch)
-        ...     for images, targets in train_loader: ...
-    """
-    # A custom batch_sampler carries its own sampler; the same object twice is set once.
-    samplers = {id(s): s for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))}
-    for sampler in samplers.values():
-        setter = getattr(sampler, "set_epoch", None)
-        if callable(setter):
-            setter(epoch)
-
-
 def _job_shape(info: DistInfo | None) -> tuple[int, int, int]:
-    """Return (world_size, rank, local_world_size) from ``info`` or the process group."""
+    """Return (world_size, rank, local_world_size) from ``info``, else the group and launcher."""
     if info is not None:
         return info.world_size, info.rank, info.local_world_size
-    local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-    return comm.get_world_size(), comm.get_rank(), int(local) if local.isdigit() else 1
+    return comm.get_world_size(), comm.get_rank(), local_world_size()
 
 
 def _per_process_batch(batch_size: int | None, global_batch_size: int | None, world: int) -> int:
@@ -245,17 +63,10 @@ def _per_process_batch(batch_size: int | None, global_batch_size: int | None, wo
     return per
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on: a cgroup or taskset can give fewer than the machine has."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def _default_workers(local_world_size: int) -> int:
     # Shared among this node's processes; at most 8, as each worker holds its
     # own dataset copy and prefetched batches in memory.
-    return max(1, min(8, usable_cpus() // max(local_world_size, 1)))
+    return min(8, cpu_share(local_world_size))
 
 
 def _loader_seed(seed: int, rank: int) -> int:
@@ -351,7 +162,7 @@ def build_loader(
             sized, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
         )
     elif train:
-        sampler = _EpochRandomSampler(sized, seed)
+        sampler = EpochRandomSampler(sized, seed)
     elif world > 1:
         sampler = DistributedEvalSampler(sized, num_replicas=world, rank=rank)
     else:
@@ -360,7 +171,7 @@ def build_loader(
     loaded: Dataset[Any] = dataset
     if train:
         # Augmentations seeded per (seed, epoch, sample): reproducible and resumable.
-        loaded, sampler = _SeededSamples(dataset, seed), _EpochIndexSampler(sampler)  # type: ignore[assignment]
+        loaded, sampler = SeededSamples(dataset, seed), EpochIndexSampler(sampler)  # type: ignore[assignment]
 
     # DataLoader refuses worker options without workers; dropping them lets a
     # script switch to workers=0 for debugging and change nothing else.

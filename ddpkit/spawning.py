@@ -11,16 +11,36 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddpkit._procs import run_processes
-from ddpkit.dist import DistInfo, init_distributed
+from ddpkit.dist import join_job
+from ddpkit.job import DistInfo, resolve_job
+from ddpkit.launchers import LaunchEnv, MasterEndpoint, master_endpoint
+from ddpkit.processes import run_processes
 
 __all__ = ["spawn"]
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every child of one ``spawn`` call needs: picklable, sent to each child."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    nprocs: int
+    nnodes: int
+    node_rank: int
+    init_method: str
+    endpoint: MasterEndpoint
+    store_is_external: bool
+    backend: str
+    rendezvous_timeout: timedelta
+    timeout: timedelta
 
 
 def spawn(
@@ -40,6 +60,9 @@ def spawn(
     Global rank = ``node_rank * nprocs + local_rank``; world size =
     ``nnodes * nprocs``. Each process joins the group, calls ``fn`` with its
     :class:`DistInfo`, and leaves the group when ``fn`` returns or raises.
+    Each child's environment also holds torchrun's ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` and
+    ``MASTER_PORT``, for code that reads them as in a torchrun worker.
 
     On one node without ``init_method``, this process hosts the rendezvous
     store on a port the operating system assigns and keeps it until the job
@@ -88,11 +111,6 @@ def spawn(
             "same on every node, so the nodes can find each other"
         )
 
-    env: dict[str, str] = {
-        "DDPKIT_LAUNCHER": "spawn",
-        "LOCAL_WORLD_SIZE": str(nprocs),
-        "GROUP_RANK": str(node_rank),
-    }
     store = None
     if init_method is None:
         # Host the store here (port 0: the OS picks a free one) and let every
@@ -100,20 +118,29 @@ def spawn(
         store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=rendezvous_timeout
         )
-        env.update(
-            {
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(store.port),
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
-            }
-        )
-        init_method = "env://"
+        endpoint = MasterEndpoint("127.0.0.1", str(store.port), "spawn")
+    elif init_method.startswith("env:"):
+        endpoint = master_endpoint()  # read here, in the parent, and handed to each child
+    else:
+        endpoint = MasterEndpoint(None, None, "")
+    job = _Job(
+        fn=fn,
+        args=tuple(args),
+        nprocs=nprocs,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        init_method=init_method or "env://",
+        endpoint=endpoint,
+        store_is_external=store is not None,
+        backend=backend,
+        rendezvous_timeout=rendezvous_timeout,
+        timeout=timeout,
+    )
     try:
-        child_args = (fn, tuple(args), nprocs, nnodes * nprocs, node_rank, init_method, backend)
         return run_processes(
             _child,
             nprocs,
-            (*child_args, rendezvous_timeout, timeout, env),
+            (job,),
             name="ddpkit-local-rank",
             first_rank=node_rank * nprocs,
             world_size=nnodes * nprocs,
@@ -122,33 +149,37 @@ def spawn(
         del store
 
 
-def _child(
-    local_rank: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    nprocs: int,
-    world_size: int,
-    node_rank: int,
-    init_method: str,
-    backend: str,
-    rendezvous_timeout: timedelta,
-    timeout: timedelta,
-    env: dict[str, str],
-) -> Any:
-    os.environ.update(env)
-    rank = node_rank * nprocs + local_rank
-    # Stated the way torchrun states them, so the child reads like a torchrun worker.
-    os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size)}
-    )
-    info: DistInfo = init_distributed(
-        init_method,
-        backend,
-        world_size=world_size,
-        rank=rank,
+def _child(local_rank: int, job: _Job) -> Any:
+    launch = LaunchEnv(
+        launcher="spawn",
+        rank=job.node_rank * job.nprocs + local_rank,
         local_rank=local_rank,
-        rendezvous_timeout=rendezvous_timeout,
-        timeout=timeout,
+        world_size=job.nnodes * job.nprocs,
+        local_world_size=job.nprocs,
+        node_rank=job.node_rank,
+        master_addr=job.endpoint.addr,
+        master_port=int(job.endpoint.port) if job.endpoint.port else None,
+        store_is_external=job.store_is_external,
+    )
+    plan = resolve_job(job.init_method, launch=launch, endpoint=job.endpoint)
+    assert plan is not None  # a launcher is given
+    # What a torchrun worker sees, for code that reads it; ddpkit itself does not.
+    os.environ.update(
+        {
+            "RANK": str(launch.rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(launch.world_size),
+            "LOCAL_WORLD_SIZE": str(job.nprocs),
+            "GROUP_RANK": str(job.node_rank),
+            **({"MASTER_ADDR": plan.master_addr} if plan.master_addr else {}),
+            **({"MASTER_PORT": str(plan.master_port)} if plan.master_port else {}),
+        }
+    )
+    info: DistInfo = join_job(
+        plan,
+        backend=job.backend,
+        rendezvous_timeout=job.rendezvous_timeout,
+        timeout=job.timeout,
     )
     # The process group is destroyed by run_processes once the outcome is reported.
-    return fn(info, *args)
+    return job.fn(info, *job.args)

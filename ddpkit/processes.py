@@ -1,4 +1,4 @@
-"""Run a function in N fresh processes and report the failure that caused the others.
+"""Run a function in N fresh processes; raise ``RankFailedError`` for the one that failed first.
 
 Shared by :func:`ddpkit.spawn` and :func:`ddpkit.testing.run_distributed`.
 When one rank of a job fails, the others usually fail a moment later with

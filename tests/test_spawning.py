@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_jobs import fail_on_rank_one, write_description
+from dist_jobs import fail_on_rank_one, write_description, write_environment
 
 import ddpkit
 
@@ -185,3 +185,12 @@ def test_two_hosts_over_veth(two_hosts: list[tuple[str, str]], tmp_path: Path) -
     veth = [link for _, link in two_hosts]
     assert [o["GLOO_SOCKET_IFNAME"] for o in out] == [veth[0], veth[0], veth[1], veth[1]]
     assert [o["NCCL_SOCKET_IFNAME"] for o in out] == [f"={veth[0]}"] * 2 + [f"={veth[1]}"] * 2
+
+
+def test_spawned_children_see_what_a_torchrun_worker_sees(tmp_path: Path) -> None:
+    ddpkit.spawn(write_environment, 2, args=(str(tmp_path),))
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"env{rank}.json").read_text())
+        assert seen["RANK"] == seen["LOCAL_RANK"] == str(rank)
+        assert (seen["WORLD_SIZE"], seen["LOCAL_WORLD_SIZE"], seen["GROUP_RANK"]) == ("2", "2", "0")
+        assert seen["init_method"] == f"tcp://127.0.0.1:{seen['MASTER_PORT']}"

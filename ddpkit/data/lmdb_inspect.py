@@ -1,0 +1,162 @@
+"""Look at a finished database: ``describe_lmdb`` (``ddpkit lmdb info``) and ``verify_lmdb``.
+
+Verification decodes every record with the dataset's own decoder
+(``ddpkit.data.images``), so a database that verifies is one that training
+can read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from contextlib import closing
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm  # type: ignore[import-untyped]
+
+from ddpkit.data.images import check_image
+from ddpkit.data.lmdb_format import FORMAT_NAME, LMDBFormatError, open_env, read_index, sample_key
+from ddpkit.data.threads import ordered_map
+from ddpkit.devices import usable_cpus
+
+__all__ = ["BadSample", "VerifyReport", "describe_lmdb", "verify_lmdb", "verify_report"]
+
+
+@dataclass(frozen=True)
+class BadSample:
+    """A record that does not decode.
+
+    Attributes:
+        index: the sample index.
+        path: its ``path`` column entry (where it was built from), or "".
+        reason: what the decoder said.
+    """
+
+    index: int
+    path: str
+    reason: str
+
+    def describe(self) -> str:
+        """``"<path>: <reason>"``, or the reason alone without a path."""
+        return f"{self.path}: {self.reason}" if self.path else self.reason
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What :func:`verify_report` found.
+
+    Attributes:
+        path: the database.
+        samples: how many records were decoded.
+        bad: the records that do not decode, in index order.
+    """
+
+    path: str
+    samples: int
+    bad: tuple[BadSample, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Every record decodes."""
+        return not self.bad
+
+
+def verify_report(
+    path: str | os.PathLike[str], *, workers: int | None = None, progress: bool = False
+) -> VerifyReport:
+    """Decode every sample of a database in parallel threads, as the dataset would.
+
+    Args:
+        path: the database.
+        workers: decoding threads (default: usable CPUs).
+        progress: show a tqdm bar on stderr.
+
+    Returns:
+        A :class:`VerifyReport`: the count and every record that does not decode.
+
+    Raises:
+        FileNotFoundError, LMDBFormatError: ``path`` is not a ddpkit database.
+    """
+    path = os.fspath(path)
+    try:
+        index = read_index(path, columns=("path",))
+        names: Sequence[str] = index.columns["path"]
+    except LMDBFormatError:
+        index = read_index(path)  # built without a path column
+        names = [""] * len(index)
+    bad: list[BadSample] = []
+    decode = partial(_check_chunk, names=names)
+    env = open_env(path)
+    try:
+        with env.begin() as txn:
+            records = ((i, txn.get(sample_key(i))) for i in range(len(index)))
+            with (
+                tqdm(total=len(index), unit="img", disable=not progress, desc="lmdb verify") as bar,
+                closing(ordered_map(decode, records, workers or usable_cpus())) as checked,
+            ):
+                for chunk, found in checked:
+                    bad += found
+                    bar.update(len(chunk))
+    finally:
+        env.close()
+    return VerifyReport(path, len(index), tuple(bad))
+
+
+def verify_lmdb(
+    path: str | os.PathLike[str], *, workers: int | None = None, progress: bool = False
+) -> list[tuple[int, str]]:
+    """``(index, reason)`` of each sample that does not decode; empty when all do.
+
+    :func:`verify_report` with the result as pairs; the reason starts with
+    the sample's ``path`` column entry when the index has one.
+
+    Example:
+        >>> for index, reason in verify_lmdb("data/train.lmdb"):  # doctest: +SKIP
+        ...     print(index, reason)
+    """
+    report = verify_report(path, workers=workers, progress=progress)
+    return [(b.index, b.describe()) for b in report.bad]
+
+
+def describe_lmdb(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """What ``ddpkit lmdb info`` shows, as a JSON-ready dict.
+
+    Returns:
+        ``path``, ``format``, ``format_version``, ``ddpkit_version`` (that wrote
+        it), ``samples``, ``classes`` (name -> sample count, in label order),
+        ``size_bytes`` (its files on disk) and ``metadata`` (source, builder options).
+
+    Raises:
+        FileNotFoundError, LMDBFormatError: ``path`` is not a ddpkit database.
+
+    Example:
+        >>> describe_lmdb("data/train.lmdb")["samples"]  # doctest: +SKIP
+        1281167
+    """
+    path = os.fspath(path)
+    index = read_index(path)
+    counts = np.bincount(index.labels, minlength=len(index.classes))
+    files = [os.path.join(path, f) for f in os.listdir(path)] if os.path.isdir(path) else [path]
+    return {
+        "path": os.path.abspath(path),
+        "format": FORMAT_NAME,
+        "format_version": index.version,
+        "ddpkit_version": index.ddpkit_version,
+        "samples": len(index),
+        "classes": {name: int(n) for name, n in zip(index.classes, counts, strict=True)},
+        "size_bytes": sum(os.path.getsize(f) for f in files if os.path.isfile(f)),
+        "metadata": dict(index.metadata),
+    }
+
+
+def _check_chunk(chunk: list[tuple[int, bytes | None]], *, names: Sequence[str]) -> list[BadSample]:
+    """The records of ``chunk`` that do not decode (runs in a worker thread)."""
+    found = []
+    for index, data in chunk:
+        reason = check_image(data, "decode")
+        if reason is not None:
+            found.append(BadSample(index, names[index], reason))
+    return found

@@ -1,0 +1,184 @@
+"""DDP samplers: every sample once in evaluation; training epochs that repeat exactly.
+
+:class:`DistributedEvalSampler` gives each rank a strided share without
+padding. For training, :class:`EpochIndexSampler` and :class:`SeededSamples`
+carry the epoch to the worker and seed each sample's augmentation from
+``(seed, epoch, index)`` (``ddpkit.rng``), so a resumed run sees exactly the
+crops an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, get_worker_info
+
+from ddpkit import comm
+from ddpkit.rng import sample_seed, seeded
+
+__all__ = [
+    "DistributedEvalSampler",
+    "EpochIndexSampler",
+    "EpochRandomSampler",
+    "SeededSamples",
+    "set_epoch",
+]
+
+
+class DistributedEvalSampler(Sampler[int]):
+    """Give each rank a strided share of the dataset, every index exactly once.
+
+    Rank ``r`` of ``R`` gets ``range(r, n, R)``, in order, unpadded: lengths
+    differ by at most one. ``DistributedSampler(shuffle=False)`` instead repeats
+    samples to even the ranks out, and counts them twice in validation metrics.
+    As one rank may run one batch more than another, run no collective per
+    evaluation batch: sum on each rank and reduce once at the end.
+
+    Args:
+        dataset_or_len: the dataset (anything with ``len()``) or its length.
+        num_replicas: number of ranks; defaults to ``ddpkit.get_world_size()``.
+        rank: this rank; defaults to ``ddpkit.get_rank()``.
+
+    Raises:
+        ValueError: ``num_replicas`` is below 1, ``rank`` is outside
+            ``0..num_replicas - 1``, or the length is negative.
+
+    Example:
+        >>> sampler = DistributedEvalSampler(val_set)
+        >>> loader = DataLoader(val_set, batch_size=256, sampler=sampler)
+    """
+
+    def __init__(
+        self,
+        dataset_or_len: Sized | int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__()
+        n = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
+        self.num_replicas = comm.get_world_size() if num_replicas is None else num_replicas
+        self.rank = comm.get_rank() if rank is None else rank
+        if n < 0:
+            raise ValueError(f"the dataset length must be >= 0, got {n}")
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}")
+        if not 0 <= self.rank < self.num_replicas:
+            raise ValueError(
+                f"rank {self.rank} is outside 0..{self.num_replicas - 1} for "
+                f"num_replicas={self.num_replicas}; pass the rank and world size of this job"
+            )
+        self._indices = range(self.rank, n, self.num_replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Do nothing: the order never changes. Here so any sampler takes ``set_epoch``."""
+
+
+class EpochRandomSampler(RandomSampler):
+    """A RandomSampler whose order is a function of ``(seed, epoch)`` after set_epoch."""
+
+    def __init__(self, data_source: Sized, seed: int) -> None:
+        super().__init__(data_source, generator=torch.Generator().manual_seed(seed))
+        self.seed = seed
+
+    def set_epoch(self, epoch: int) -> None:
+        assert self.generator is not None
+        self.generator.manual_seed(self.seed + epoch)
+
+
+class EpochIndexSampler(Sampler[tuple[int, int]]):
+    """Yield ``(epoch, index)`` pairs, so a worker knows which epoch a sample belongs to.
+
+    ``set_epoch`` is passed on to the wrapped sampler. An epoch started without
+    it follows the previous one (epoch + 1), so forgetting the call no longer
+    repeats the first epoch's order and augmentations.
+    """
+
+    def __init__(self, inner: Sampler[int]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.epoch = 0
+        self._epoch_given = False
+        self._started = False
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._epoch_given = True
+        setter = getattr(self.inner, "set_epoch", None)
+        if callable(setter):
+            setter(epoch)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        if self._started and not self._epoch_given:
+            self.set_epoch(self.epoch + 1)
+        self._started, self._epoch_given = True, False
+        epoch = self.epoch
+        return ((epoch, index) for index in self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+
+class SeededSamples(Dataset[Any]):
+    """Draw each sample's augmentation from RNGs seeded by ``(seed, epoch, index)``.
+
+    A sample's random crop is then the same whichever worker loads it, however
+    many workers there are, whether they persist between epochs, and whether
+    the run was resumed from a checkpoint: that is what makes a resumed run
+    bit-identical to an uninterrupted one. The rank is not part of the seed, so
+    the augmentations do not depend on the world size either.
+    """
+
+    def __init__(self, dataset: Dataset[Any], seed: int) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        # In a worker the RNGs are the worker's own; in this process (workers=0)
+        # they are the training loop's, so they are put back afterwards.
+        restore = get_worker_info() is None
+        with seeded(sample_seed(self.seed, epoch, index), restore=restore):
+            return self.dataset[index]
+
+    def __getattr__(self, name: str) -> Any:
+        # .classes, .targets ... of the wrapped dataset; guard against lookups
+        # before __init__ ran (unpickling), which would recurse.
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def set_epoch(loader: DataLoader[Any], epoch: int) -> None:
+    """Tell the loader's sampler which epoch starts, so each epoch has its own order.
+
+    ``DistributedSampler`` shuffles with ``seed + epoch``; without this call
+    every epoch repeats the first one's order. Call it before each epoch on
+    every rank. Samplers without ``set_epoch`` are left alone.
+
+    Args:
+        loader: a DataLoader, typically from :func:`build_loader`.
+        epoch: the epoch about to start (0, 1, ...).
+
+    Example:
+        >>> for epoch in range(epochs):
+        ...     set_epoch(train_loader, epoch)
+        ...     for images, targets in train_loader: ...
+    """
+    # A custom batch_sampler carries its own sampler; the same object twice is set once.
+    samplers = {id(s): s for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))}
+    for sampler in samplers.values():
+        setter = getattr(sampler, "set_epoch", None)
+        if callable(setter):
+            setter(epoch)

@@ -1,0 +1,282 @@
+"""How the ranks find each other: the c10d store, ddpkit's join protocol, ``RendezvousError``.
+
+Every rank registers under its own key, records its world size and host, and
+waits; rank 0 checks who came and publishes either the node layout or a
+verdict that every rank raises. The whole join has a deadline, separate from
+the collective timeout, so a misconfigured job fails in minutes with the
+missing, duplicated or disagreeing ranks named, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ddpkit._docs import see
+from ddpkit.job import JobPlan
+
+__all__ = ["Layout", "RendezvousError", "free_port", "join", "open_store"]
+
+_POLL_FIRST_S = 0.02
+_POLL_MAX_S = 0.5
+# How much longer the other ranks wait than rank 0, and rank 0 waits for them to
+# read its verdict, so that rank 0's message (which names every rank) reaches all.
+_ABORT_GRACE_S = 3.0
+
+
+class RendezvousError(RuntimeError):
+    """The ranks of a job could not find each other; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the rendezvous placed this rank: its node and its place on it."""
+
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+
+
+def open_store(plan: JobPlan, rendezvous_timeout: timedelta) -> dist.Store:
+    """Create (rank 0 over TCP) or connect to the job's c10d store.
+
+    Raises:
+        RendezvousError: the port is taken, the address is not rank 0's, or
+            the store cannot be reached within ``rendezvous_timeout``.
+    """
+    if plan.scheme == "file":
+        assert plan.file_path is not None
+        directory = os.path.dirname(plan.file_path) or "."
+        if not os.path.isdir(directory):
+            raise RendezvousError(
+                f"{plan.url}: directory {directory!r} does not exist on rank {plan.rank}. "
+                "file:// rendezvous needs a path on a filesystem every node shares "
+                "(NFS, Lustre), or use tcp://. " + see("the-store-cannot-be-opened")
+            )
+        store: dist.Store = dist.FileStore(plan.file_path, plan.world_size)
+        store.set_timeout(rendezvous_timeout)
+        return store
+    assert plan.master_addr is not None
+    assert plan.master_port is not None
+    host, port = plan.master_addr, plan.master_port
+    is_master = plan.rank == 0 and not plan.store_is_external
+    try:
+        return dist.TCPStore(
+            host, port, is_master=is_master, wait_for_workers=False, timeout=rendezvous_timeout
+        )
+    except Exception as exc:  # c10d raises DistNetworkError / DistStoreError / RuntimeError
+        raise _store_error(plan, is_master, exc, rendezvous_timeout) from exc
+
+
+def _store_error(
+    plan: JobPlan, is_master: bool, exc: Exception, timeout: timedelta
+) -> RendezvousError:
+    text = str(exc)
+    host, port = plan.master_addr, plan.master_port
+    if is_master and ("EADDRINUSE" in text or "address already in use" in text.lower()):
+        return RendezvousError(
+            f"rank 0 cannot host the rendezvous store at {plan.url}: port {port} is already "
+            f"in use on this machine (another job, or an earlier run still exiting). Pick a "
+            f"free port, e.g. tcp://{host}:{free_port()} (the same on every node). "
+            + see("the-store-cannot-be-opened")
+        )
+    if is_master:
+        return RendezvousError(
+            f"rank 0 cannot host the rendezvous store at {plan.url}: {_first_line(exc)}. "
+            f"Check that {host} is an address of this machine and the port is free. "
+            + see("the-store-cannot-be-opened")
+        )
+    return RendezvousError(
+        f"rank {plan.rank} could not reach the rendezvous store at {plan.url} within "
+        f"{timeout.total_seconds():g} s: {_first_line(exc)}. Start rank 0 first (rank 0 is "
+        f"not running, or failed), and check the address and port on every node; `ddpkit "
+        f"doctor --master-addr {host} --master-port {port}` tests the connection. "
+        + see("a-rank-cannot-reach-the-store")
+    )
+
+
+def free_port() -> int:
+    """A TCP port that is free on this machine right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def join(store: dist.Store, plan: JobPlan, deadline: float) -> Layout:
+    """Register this rank, wait for all, and return where the rendezvous placed it.
+
+    All ranks must call this, or it deadlocks until ``deadline``
+    (``time.monotonic()``), when every rank raises a :class:`RendezvousError`
+    naming the ranks that joined and those that did not.
+    """
+    try:
+        return _join(store, plan, deadline)
+    except RendezvousError:
+        raise
+    except RuntimeError as exc:  # c10d's DistError and friends: the store went away
+        raise RendezvousError(
+            f"rank {plan.rank} lost the rendezvous store at {plan.url} while waiting for the "
+            f"other ranks ({_first_line(exc)}). Rank 0 hosts it: read rank 0's own error, "
+            "which says why it stopped. " + see("a-rank-cannot-reach-the-store")
+        ) from exc
+
+
+def _join(store: dist.Store, plan: JobPlan, deadline: float) -> Layout:
+    p = plan.store_prefix
+    layout_key, joined_key = f"{p}/layout", f"{p}/joined"
+    me = {"world_size": plan.world_size, "host": socket.gethostname(), "pid": os.getpid()}
+
+    count = store.add(f"{p}/count/{plan.rank}", 1)
+    store.set(f"{p}/info/{plan.rank}", json.dumps(me))
+    if count > 1:
+        message = (
+            f"rank {plan.rank} joined {plan.url} twice: a second process was started with "
+            f"rank {plan.rank} (latest from host {me['host']}, pid {me['pid']}). Give each "
+            "process its own rank (--rank / node_rank on every node), one job per address "
+            "and port"
+        )
+        if plan.scheme == "file":
+            message += f", and delete {plan.file_path}, which an earlier run may have left"
+        message += ". " + see("the-ranks-disagree-on-the-job")
+        store.set(f"{p}/abort", message)
+        raise RendezvousError(message)
+    store.add(joined_key, 1)
+
+    hosts_store = plan.rank == 0 and plan.scheme == "tcp" and not plan.store_is_external
+    if plan.scheme == "tcp" and not hosts_store:
+        # Let rank 0 time out first: it sees every rank and says which are missing.
+        deadline += _ABORT_GRACE_S
+    pause = _POLL_FIRST_S
+    while True:
+        _raise_if_aborted(store, p, hosts_store)
+        if plan.rank == 0:
+            joined = store.add(joined_key, 0)
+            if joined >= plan.world_size:
+                problem = _check_members(store, plan, joined)
+                if isinstance(problem, str):
+                    raise _abort(store, p, problem, hosts_store)
+                store.set(layout_key, json.dumps(problem))
+                return _place(problem, plan)
+        elif store.check([layout_key]):
+            layout = json.loads(store.get(layout_key))
+            if layout["world_size"] != plan.world_size:
+                raise RendezvousError(
+                    f"this rank ({plan.rank}) was started with world_size={plan.world_size}, but "
+                    f"rank 0 formed the job at {plan.url} with world_size="
+                    f"{layout['world_size']}. Give every node the same world size. "
+                    + see("the-ranks-disagree-on-the-job")
+                )
+            return _place(layout, plan)
+        if time.monotonic() >= deadline:
+            raise _abort(store, p, _timeout_message(store, plan), hosts_store)
+        time.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
+
+
+def _raise_if_aborted(store: dist.Store, p: str, hosts_store: bool) -> None:
+    if not store.check([f"{p}/abort"]):
+        return
+    message = store.get(f"{p}/abort").decode()
+    if hosts_store:
+        _linger(store, p, store.add(f"{p}/joined", 0) - 1)
+    else:
+        store.add(f"{p}/abort_seen", 1)
+    raise RendezvousError(message)
+
+
+def _abort(store: dist.Store, p: str, message: str, hosts_store: bool) -> RendezvousError:
+    """Publish why the rendezvous failed; return the error for this rank to raise."""
+    store.set(f"{p}/abort", message)
+    if hosts_store:
+        _linger(store, p, store.add(f"{p}/joined", 0) - 1)
+    return RendezvousError(message)
+
+
+def _linger(store: dist.Store, p: str, readers: int) -> None:
+    """On the rank that hosts the store: let the other ranks read the verdict first.
+
+    The store disappears when this process exits, and with it the message
+    that tells every other rank what went wrong.
+    """
+    until = time.monotonic() + _ABORT_GRACE_S
+    while store.add(f"{p}/abort_seen", 0) < readers and time.monotonic() < until:
+        time.sleep(_POLL_FIRST_S)
+
+
+def _check_members(store: dist.Store, plan: JobPlan, joined: int) -> dict[str, Any] | str:
+    """On rank 0: validate who joined; return the node layout, or what is wrong."""
+    p = plan.store_prefix
+    infos: list[dict[str, Any]] = []
+    for r in range(plan.world_size):
+        if store.add(f"{p}/count/{r}", 0) == 0:
+            infos.append({})
+            continue
+        infos.append(json.loads(store.get(f"{p}/info/{r}")))
+    problems = [
+        f"rank {r} (host {info['host']}) was started with world_size={info['world_size']}"
+        for r, info in enumerate(infos)
+        if info and info["world_size"] != plan.world_size
+    ]
+    missing = [r for r, info in enumerate(infos) if not info]
+    if joined > plan.world_size or missing:
+        problems.append(
+            f"{joined} processes joined but ranks {_ranks(missing)} never did: some processes "
+            f"were given ranks outside 0..{plan.world_size - 1}"
+        )
+    if problems:
+        return (
+            f"the ranks at {plan.url} disagree on the job: rank 0 has world_size="
+            f"{plan.world_size}, but " + "; ".join(problems) + ".\nworld_size is the total "
+            "number of processes (nodes x processes per node), the same on every node. "
+            + see("the-ranks-disagree-on-the-job")
+        )
+    hosts: list[str] = []
+    places: list[tuple[int, int]] = []
+    for info in infos:
+        if info["host"] not in hosts:
+            hosts.append(info["host"])
+        node = hosts.index(info["host"])
+        local = sum(1 for prev in places if prev[0] == node)
+        places.append((node, local))
+    sizes = [sum(1 for q in places if q[0] == node) for node in range(len(hosts))]
+    return {"world_size": plan.world_size, "places": [[n, lr, sizes[n]] for n, lr in places]}
+
+
+def _place(layout: dict[str, Any], plan: JobPlan) -> Layout:
+    node, local, size = layout["places"][plan.rank]
+    return Layout(local_rank=int(local), local_world_size=int(size), node_rank=int(node))
+
+
+def _timeout_message(store: dist.Store, plan: JobPlan) -> str:
+    p = plan.store_prefix
+    joined = [r for r in range(plan.world_size) if store.add(f"{p}/count/{r}", 0) > 0]
+    missing = [r for r in range(plan.world_size) if r not in joined]
+    return (
+        f"rendezvous at {plan.url} timed out: {len(joined)} of {plan.world_size} ranks joined "
+        f"(ranks {_ranks(joined)}); missing rank(s) {_ranks(missing)}. Likely "
+        f"world_size={plan.world_size} is not the same on every node (it counts processes, "
+        "not nodes), or a node was not started or cannot reach this address. Start every "
+        "node with the same world size; run `ddpkit doctor` on the missing ranks' node. "
+        + see("rendezvous-timed-out")
+    )
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "none"
+    if len(ranks) > 16:
+        return ", ".join(map(str, ranks[:16])) + f", ... ({len(ranks)} in all)"
+    return ", ".join(map(str, ranks))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else repr(exc)

@@ -1,0 +1,126 @@
+"""Random number generator state: capture and restore it, and seed it per sample.
+
+:func:`capture_rng_state` / :func:`restore_rng_state` save the global RNGs in
+a checkpoint; :func:`seeded` and :func:`sample_seed` give each sample's
+augmentation RNGs seeded by ``(seed, epoch, index)``, which is what makes a
+resumed run bit-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+__all__ = ["capture_rng_state", "restore_rng_state", "sample_seed", "seeded"]
+
+_MASK64 = (1 << 64) - 1
+_HostStates = tuple[Any, Any, torch.Tensor]
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Return the states of Python's, NumPy's, torch's and (in use) CUDA's global RNGs.
+
+    The dict holds only tensors, numbers, strings and tuples, so it saves with
+    :func:`save_checkpoint`. CUDA generators are captured once CUDA is
+    initialised; before that they have no state of their own.
+
+    Example:
+        >>> state = capture_rng_state()
+        >>> restore_rng_state(state)  # the next torch.rand() repeats
+    """
+    python, numpy, cpu = _host_states()
+    kind, keys, pos, has_gauss, cached = cast(tuple[Any, ...], numpy)
+    cuda_in_use = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return {
+        "python": python,
+        # weights_only cannot read numpy arrays; int64 holds the uint32 key exactly.
+        "numpy": (
+            str(kind),
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ),
+        "torch": cpu,
+        "cuda": torch.cuda.get_rng_state_all() if cuda_in_use else [],
+    }
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore the RNG states that :func:`capture_rng_state` returned.
+
+    Args:
+        state: its dict, possibly saved and loaded.
+
+    Raises:
+        ValueError: ``state`` lacks a part.
+
+    Example:
+        >>> restore_rng_state(load_checkpoint("run/latest.pth")["rng"][get_rank()])
+    """
+    missing = {"python", "numpy", "torch"} - set(state)
+    if missing:
+        raise ValueError(
+            f"restore_rng_state: the state lacks {sorted(missing)}; pass capture_rng_state()'s dict"
+        )
+    version, internal, gauss = state["python"]
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    _set_host_states(
+        (
+            (version, tuple(internal), gauss),
+            (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached),
+            state["torch"].cpu(),
+        )
+    )
+    if state.get("cuda") and torch.cuda.is_available():
+        # On machines with fewer GPUs than the saving ones, restore the generators that exist.
+        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state.cpu(), index)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 63-bit seed unique to ``(seed, epoch, index)``: splitmix64 of their combination.
+
+    Unique within any realistic range: 2**32 samples, 2**24 epochs.
+    """
+    x = ((seed & 0xFFFFFFFF) << 88 | (epoch & 0xFFFFFF) << 64 | index) & ((1 << 120) - 1)
+    z = (x ^ (x >> 64)) & _MASK64
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@contextmanager
+def seeded(seed: int, *, restore: bool = True) -> Iterator[None]:
+    """Seed Python's, NumPy's and torch's CPU RNGs with ``seed`` for the body.
+
+    Args:
+        seed: the seed (NumPy takes its low 32 bits).
+        restore: put the previous states back afterwards (False in a
+            DataLoader worker, whose RNGs belong to nothing else).
+    """
+    saved = _host_states() if restore else None
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.default_generator.manual_seed(seed)  # the CPU generator only, not CUDA's
+    try:
+        yield
+    finally:
+        if saved is not None:
+            _set_host_states(saved)
+
+
+def _host_states() -> _HostStates:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _set_host_states(states: _HostStates) -> None:
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])

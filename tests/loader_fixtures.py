@@ -1,0 +1,45 @@
+"""Small datasets and a DistInfo for the loader and sampler tests."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ddpkit import DistInfo
+
+
+def info(rank: int = 1, world_size: int = 4, local_world_size: int = 4) -> DistInfo:
+    return DistInfo(
+        rank=rank,
+        local_rank=rank % local_world_size,
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=0,
+        device=torch.device("cpu"),
+        backend="gloo",
+        is_distributed=True,
+    )
+
+
+class Indices(Dataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class Noisy(Dataset[tuple[int, int, float, float]]):
+    """Each item draws from torch, Python and numpy RNGs, as augmentations do."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> tuple[int, int, float, float]:
+        return index, int(torch.randint(0, 2**30, ())), random.random(), float(np.random.rand())
