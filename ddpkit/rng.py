@@ -84,16 +84,23 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """A 63-bit seed unique to ``(seed, epoch, index)``: splitmix64 of their combination.
+    """A 63-bit seed for sample ``index`` of ``epoch`` in a run seeded with ``seed``.
 
-    Unique within any realistic range: 2**32 samples, 2**24 epochs.
+    Each part is folded in through splitmix64's finaliser, a bijection on 64
+    bits, so distinct ``(epoch, index)`` pairs of a run get unrelated seeds
+    (a collision is as likely as between random 63-bit numbers).
     """
-    x = ((seed & 0xFFFFFFFF) << 88 | (epoch & 0xFFFFFF) << 64 | index) & ((1 << 120) - 1)
-    z = (x ^ (x >> 64)) & _MASK64
+    z = _mix64(seed & _MASK64)
+    z = _mix64(z ^ (epoch & _MASK64))
+    z = _mix64(z ^ (index & _MASK64))
+    return z & ((1 << 63) - 1)
+
+
+def _mix64(z: int) -> int:
     z = (z + 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+    return z ^ (z >> 31)
 
 
 @contextmanager

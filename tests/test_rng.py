@@ -57,3 +57,11 @@ def test_seeded_without_restore_leaves_the_new_state() -> None:
     inside = torch.rand(1)
     torch.manual_seed(5)
     assert torch.equal(inside, torch.rand(1))
+
+
+def test_sample_seeds_differ_across_seed_epoch_and_index() -> None:
+    # Sample 0 of epoch 1 once had the seed of sample 1 of epoch 0 (index ^ epoch).
+    seeds = {sample_seed(s, e, i) for s in range(3) for e in range(30) for i in range(1000)}
+    assert len(seeds) == 3 * 30 * 1000
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert sample_seed(0, 1, 2) == sample_seed(0, 1, 2)
