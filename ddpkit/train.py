@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ddpkit import comm
+from ddpkit._docs import see
 from ddpkit.checkpoint import CheckpointManager
 from ddpkit.data.samplers import set_epoch
 from ddpkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
@@ -399,9 +400,9 @@ def _check_finite(first_bad: torch.Tensor, epoch: int) -> None:
     if bad >= 0:
         raise TrainingError(
             f"the loss was not finite (nan or inf) in epoch {epoch}, step {bad} on rank "
-            f"{comm.get_rank()}. Common causes: a learning rate too high, fp16 without a "
-            "loss scale (use amp='bf16' or 'fp16', which scales), or bad inputs; the last "
-            "checkpoint is from before this epoch."
+            f"{comm.get_rank()}. Lower the learning rate, train in bf16 (or fp16, which scales "
+            "the loss) or check the inputs; the last checkpoint is from before this epoch. "
+            + see("training-load_pretrained-wrap_ddp-focalloss-fit")
         )
 
 
