@@ -32,6 +32,7 @@ from ddpkit.serialization import (
     check_saveable,
     link_or_copy,
     load_checkpoint,
+    payload_bytes,
     replace_atomic,
     save_checkpoint,
     write_file,
@@ -216,7 +217,7 @@ class CheckpointManager:
         # latest.pth comes last, so the files it refers to exist whenever it does.
         if self.latest_path.exists() and not self._latest_damaged:
             os.replace(self.latest_path, self._previous_path)
-        replace_atomic(self.latest_path, functools.partial(write_file, clean))
+        replace_atomic(self.latest_path, functools.partial(write_file, clean), payload_bytes(clean))
         self._latest_damaged = False
         self._prune(state["epoch"], name, state["best_epoch"])
         logger.info("saved epoch %d: %s and %s", state["epoch"], self.latest_path, epoch_path)

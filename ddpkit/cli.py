@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -42,7 +43,7 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     doctor.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=3.0,
         help="seconds to wait for a TCP connection to the master (default: 3)",
     )
@@ -113,7 +114,16 @@ def _add_lmdb(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         metavar="BYTES",
         help="first LMDB map size, e.g. 64K, 10M, 2G (default: 1G; it doubles when full)",
     )
-    build.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
+    build.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing OUTPUT (an LMDB database only)",
+    )
+    build.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="write a database even when no image could be stored (an error otherwise)",
+    )
     build.add_argument("--no-progress", action="store_true", help="no progress bar")
     build.set_defaults(func=_run_lmdb_build)
 
@@ -128,6 +138,16 @@ def _add_lmdb(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     verify.add_argument("path", metavar="PATH")
     verify.add_argument("--workers", type=int, help="decoding threads (default: usable CPUs)")
     verify.set_defaults(func=_run_lmdb_verify)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds (e.g. 3)")
+    return value
 
 
 def _byte_size(text: str) -> int:
@@ -173,6 +193,7 @@ def _run_lmdb_build(args: argparse.Namespace) -> int:
         map_size=args.map_size,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        allow_empty=args.allow_empty,
     )
     for where, reason in summary.skipped:
         print(f"skipped {where}: {reason}")

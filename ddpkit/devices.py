@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "as_device",
     "check_backend",
     "collective_device",
     "cpu_share",
@@ -32,7 +33,7 @@ def pick_device(device: str | torch.device | None, local_rank: int, backend: str
         ValueError: CUDA asked for but absent, or more ranks on a node than GPUs.
     """
     if device is not None:
-        dev = torch.device(device)
+        dev = as_device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", local_rank)
     elif torch.cuda.is_available() and backend != "gloo":
@@ -52,11 +53,36 @@ def pick_device(device: str | torch.device | None, local_rank: int, backend: str
     return dev
 
 
+def as_device(device: str | torch.device) -> torch.device:
+    """``torch.device(device)``, with a ``ValueError`` naming a string torch does not know."""
+    if isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device={device!r} is not a device: use 'cpu', 'cuda' or 'cuda:N'"
+        ) from exc
+
+
 def resolve_backend(backend: str, dev: torch.device) -> str:
-    """``"auto"`` becomes NCCL on a CUDA device and Gloo elsewhere; names are lower-cased."""
+    """``"auto"`` becomes NCCL on a CUDA device and Gloo elsewhere; names are lower-cased.
+
+    Raises:
+        ValueError: not a backend name, or one this PyTorch build lacks.
+    """
+    if not isinstance(backend, str):
+        raise ValueError(f"backend must be 'auto', 'nccl' or 'gloo', got {backend!r}")
     if backend == "auto":
         return "nccl" if dev.type == "cuda" else "gloo"
-    return backend.lower()
+    name = backend.lower()
+    known = ("gloo", "nccl", "mpi", "ucc", "xccl")
+    if name not in known:
+        raise ValueError(f"backend={backend!r} is not a backend: use 'auto', 'nccl' or 'gloo'")
+    available = getattr(dist, "is_backend_available", None)
+    if name != "nccl" and available is not None and not available(name):
+        raise ValueError(f"backend={backend!r} is not available in this PyTorch build; use 'gloo'")
+    return name
 
 
 def check_backend(backend: str, dev: torch.device) -> None:
@@ -91,7 +117,7 @@ def model_device(device: str | torch.device | None, distributed: bool) -> torch.
     (tests, CPU training); pass a device explicitly to train on the GPU over Gloo.
     """
     if device is not None:
-        dev = torch.device(device)
+        dev = as_device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         return dev

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ddpkit import devices
 from ddpkit._docs import see
-from ddpkit.job import DistInfo, JobPlan, resolve_job, restore_environ
+from ddpkit.job import DistInfo, JobPlan, as_timeout, resolve_job, restore_environ
 from ddpkit.launchers import detect_launcher, master_endpoint
 from ddpkit.network import plan_network
 from ddpkit.rendezvous import RendezvousError, join, open_store
@@ -77,7 +77,8 @@ def init_distributed(
         rank: global rank; default from the launcher.
         local_rank: rank on this node; default from the launcher, else worked
             out from which ranks share this host.
-        timeout: collective timeout once the group is up.
+        timeout: collective timeout once the group is up (a ``timedelta``, or
+            a number of seconds).
         rendezvous_timeout: how long to wait for all ranks to join. Kept short
             so a misconfigured job fails in minutes, not after ``timeout``.
         device: ``"cpu"``, ``"cuda"`` (``cuda:local_rank``) or an explicit
@@ -93,12 +94,17 @@ def init_distributed(
         RendezvousError: the ranks did not all join within
             ``rendezvous_timeout``, a rank joined twice, the ranks disagree on
             the world size, or the port is taken. The message names them.
-        ValueError: inconsistent arguments, or NCCL without CUDA.
+        ValueError: an argument of the wrong kind or out of range (a timeout of
+            0, a backend that does not exist ...), inconsistent arguments, or
+            NCCL without CUDA; the message names the argument.
 
     Example:
         >>> with init_distributed() as info:
         ...     model = wrap_ddp(model)  # trains on info.device
     """
+    timeout = as_timeout("timeout", timeout)
+    rendezvous_timeout = as_timeout("rendezvous_timeout", rendezvous_timeout)
+    _check_names(backend, network)
     if dist.is_available() and dist.is_initialized():
         warnings.warn(
             "init_distributed: a process group already exists; returning its description "
@@ -132,6 +138,15 @@ def init_distributed(
         timeout=timeout,
         rendezvous_timeout=rendezvous_timeout,
     )
+
+
+def _check_names(backend: object, network: object) -> None:
+    """Refuse a backend or network argument of the wrong kind before any work."""
+    devices.resolve_backend(backend, torch.device("cpu"))  # type: ignore[arg-type]
+    if network is not None and not isinstance(network, str):
+        raise ValueError(
+            f"network must be 'auto', an interface name such as 'eth0', or None; got {network!r}"
+        )
 
 
 def join_job(

@@ -12,11 +12,10 @@ sends data beyond a TCP connect to the master port.
 from __future__ import annotations
 
 import errno
-import ipaddress
 import logging
+import math
 import os
 import platform
-import socket
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -28,6 +27,8 @@ from ddpkit._version import __version__
 from ddpkit.interfaces import IB_SYSFS, ifname_selects, list_interfaces
 from ddpkit.launchers import LaunchEnv, detect_launcher, master_endpoint, parse_port
 from ddpkit.network import NCCL_DEBUG_LEVELS, NetworkPlan, plan_network
+from ddpkit.ports import bind_problem, is_local
+from ddpkit.ports import probe_tcp as _probe_tcp  # the name tests and callers knew
 
 __all__ = ["Check", "Status", "exit_code", "format_report", "run_checks"]
 
@@ -87,9 +88,14 @@ def run_checks(
         ib_sysfs: where InfiniBand devices are listed.
 
     Returns:
-        One :class:`Check` per line of the report: ``[c.name for c in run_checks()][:3]``
-        is ``["versions", "GPUs", "launcher"]``.
+        One :class:`Check` per line of the report, versions first.
+
+    Raises:
+        ValueError: ``connect_timeout`` is not a positive, finite number.
     """
+    number = isinstance(connect_timeout, int | float) and not isinstance(connect_timeout, bool)
+    if not (number and math.isfinite(connect_timeout) and connect_timeout > 0):
+        raise ValueError(f"connect_timeout must be a positive number, got {connect_timeout!r}")
     env = os.environ if environ is None else environ
     try:
         launch: LaunchEnv | None = detect_launcher(env)
@@ -362,13 +368,13 @@ def _check_port(
             "set MASTER_PORT (or --master-port) to a free port such as 29500, the same on "
             "every node",
         )
-    if not _is_local(addr, interfaces):
+    if not is_local(addr, interfaces):
         ok, detail = _probe_tcp(addr, number, timeout)
         if ok:
             return Check(name, "OK", f"{addr}:{number} accepts TCP connections")
         return Check(name, "FAIL", f"{addr}:{number}: {detail}", _PORT_FIX)
 
-    problem = _bind_problem(number)
+    problem = bind_problem(number)
     if problem is None:
         return Check(
             name, "OK", f"port {number} is free: rank 0 can host the rendezvous store here"
@@ -399,50 +405,3 @@ def _check_port(
         f"pick another port (the same on every node), or find the program with "
         f"`ss -tanp 'sport = :{number}'`",
     )
-
-
-def _is_local(addr: str, interfaces: Mapping[str, list[str]]) -> bool:
-    """Is ``addr`` (a name or an address) this machine, i.e. would rank 0 run here?"""
-    if addr == "localhost":
-        return True
-    ours = {ipaddress.ip_address(a) for addrs in interfaces.values() for a in addrs}
-    try:
-        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return False
-    for info in infos:
-        ip = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
-        if ip.is_loopback or ip in ours:
-            return True
-    return False
-
-
-def _bind_problem(port: int) -> int | None:
-    """Try to listen on ``port`` on every address as the store would; return the errno."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # The store sets SO_REUSEADDR too: a port held only by TIME_WAIT
-        # connections of an earlier run is free to it.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError as exc:
-            return exc.errno or errno.EADDRINUSE
-    return None
-
-
-def _probe_tcp(addr: str, port: int, timeout: float) -> tuple[bool, str]:
-    """Open (and close) a TCP connection to ``addr:port``.
-
-    Returns:
-        ``(True, "")`` when it connected, else ``(False, why)`` with the
-        error's text, e.g. ``"Connection refused"``.
-    """
-    try:
-        with socket.create_connection((addr, port), timeout=timeout):
-            return True, ""
-    except socket.gaierror as exc:
-        return False, f"cannot resolve {addr!r}: {exc.strerror or exc}"
-    except TimeoutError:
-        return False, f"no answer within {timeout:g} s (a firewall drops it, or wrong address)"
-    except OSError as exc:
-        return False, exc.strerror or str(exc)

@@ -10,9 +10,11 @@ rank, the device or the master address back from ``os.environ``.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from types import TracebackType
 from urllib.parse import urlparse
 
@@ -22,7 +24,14 @@ import torch.distributed as dist
 from ddpkit._docs import see
 from ddpkit.launchers import LaunchEnv, MasterEndpoint, parse_port
 
-__all__ = ["DistInfo", "JobPlan", "resolve_job", "restore_environ"]
+__all__ = [
+    "DistInfo",
+    "JobPlan",
+    "as_timeout",
+    "check_count",
+    "resolve_job",
+    "restore_environ",
+]
 
 
 @dataclass(frozen=True)
@@ -150,6 +159,31 @@ class JobPlan:
     given_by: str = ""
 
 
+def as_timeout(name: str, value: object) -> timedelta:
+    """``value`` as a positive, finite ``timedelta``; a number counts as seconds.
+
+    Raises:
+        ValueError: anything else (0, a negative, nan, a string, a bool), naming ``name``.
+    """
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ValueError(f"{name} must be a timedelta or a number of seconds, got {value!r}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{name} must be a positive, finite duration, got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def check_count(name: str, value: object, low: int) -> None:
+    """Refuse a count that is not an int (bools included) or is below ``low``, naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be at least {low}, got {value}")
+
+
 def resolve_job(
     init_method: str | None,
     *,
@@ -178,6 +212,13 @@ def resolve_job(
         ValueError: the arguments contradict the launcher, or cannot describe
             a job; the message names the values and the fix.
     """
+    if init_method is not None and not isinstance(init_method, str):
+        raise ValueError(
+            f"init_method must be a string such as 'tcp://host:port', got {init_method!r}"
+        )
+    for name, value in (("world_size", world_size), ("rank", rank), ("local_rank", local_rank)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be an int, got {value!r}")
     if launch is not None:
         for name, given, found in (
             ("world_size", world_size, launch.world_size),
@@ -271,9 +312,17 @@ def _meeting_point(
             master_port=tcp_port,
         )
     if parsed.scheme == "file":
-        if not parsed.path:
+        path = parsed.path if parsed.netloc in ("", "localhost") else parsed.netloc + parsed.path
+        if not path:
             raise ValueError(f"init_method {method!r} needs a path: file:///shared/dir/rendezvous")
-        return replace(blank, scheme="file", url=f"file://{parsed.path}", file_path=parsed.path)
+        if parsed.netloc not in ("", "localhost") or not os.path.isabs(path):
+            # file://./rdzv would otherwise meet at /rdzv, at the filesystem root.
+            raise ValueError(
+                f"init_method {method!r} is a relative path, which every node would resolve "
+                f"against its own working directory; give the absolute path on the shared "
+                f"filesystem, e.g. file://{os.path.abspath(path)}"
+            )
+        return replace(blank, scheme="file", url=f"file://{path}", file_path=path)
     raise ValueError(
         f"init_method {method!r} is not supported: use 'env://', 'tcp://host:port' or "
         "'file:///path/on/a/shared/filesystem'"

@@ -11,9 +11,14 @@ such an echo, with that rank's traceback.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
 import pickle
 import queue
+import signal
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -23,7 +28,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["RankFailedError", "run_processes"]
+__all__ = ["RankFailedError", "die_with_parent", "run_processes"]
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # How long a terminated child gets to exit before it is killed outright.
 _TERMINATE_GRACE_S = 2.0
@@ -60,9 +67,32 @@ def _failure_report(index: int, message: str) -> _Report:
     return (index, False, message, traceback.format_exc(), time.time())
 
 
+def die_with_parent(parent: int) -> None:
+    """End this process when its parent ends, even by SIGKILL; call it first thing in a child.
+
+    Linux: the kernel sends SIGKILL on the parent's death (``PR_SET_PDEATHSIG``).
+    Elsewhere: a daemon thread checks once a second. Either way a parent that
+    is already gone ends this process at once.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    else:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # died before the request took effect
+        os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def _child_entry(
-    target: Callable[..., Any], index: int, args: tuple[Any, ...], results: Any
+    target: Callable[..., Any], index: int, args: tuple[Any, ...], results: Any, parent: int
 ) -> None:
+    die_with_parent(parent)  # a parent killed with SIGKILL must not leave its ranks running
     report: _Report
     try:
         value = target(index, *args)
@@ -113,7 +143,7 @@ def run_processes(
         # Not daemonic: the children may start DataLoader workers of their own.
         ctx.Process(
             target=_child_entry,
-            args=(target, index, tuple(args), results),
+            args=(target, index, tuple(args), results, os.getpid()),
             name=f"{name}{index}",
         )
         for index in range(nprocs)

@@ -15,8 +15,8 @@ import functools
 import os
 import pickle
 import re
-import secrets
 import shutil
+import zipfile
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -27,12 +27,14 @@ import torch
 from torch import nn
 
 from ddpkit._docs import see
+from ddpkit.files import is_no_space, no_space, remove_stale, temp_path
 
 __all__ = [
     "CheckpointError",
     "check_saveable",
     "link_or_copy",
     "load_checkpoint",
+    "payload_bytes",
     "replace_atomic",
     "save_checkpoint",
     "write_file",
@@ -109,19 +111,24 @@ def _sanitize(obj: Any, path: str, active: set[int]) -> Any:
         active.discard(id(obj))
 
 
-def replace_atomic(path: Path, write: Callable[[Path], None]) -> None:
+def replace_atomic(path: Path, write: Callable[[Path], None], needed: int | None = None) -> None:
     """Have ``write`` fill a temporary file beside ``path``, then rename it over ``path``.
 
     A crash at any moment leaves the old file or the new one; the temporary
     file is removed when ``write`` fails, and the rename is made durable.
+    Temporary files that killed writers of ``path`` left behind on this host
+    are removed once the new file is in place. A full disk is an ``OSError``
+    (``ENOSPC``) that says how much room was ``needed`` and how much is free.
     """
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_path(path, hidden=True)
     try:
         write(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(exc, Exception) and _out_of_space(exc, path.parent, needed):
+            raise no_space(path, needed) from exc
         raise
     # Make the rename itself durable; some platforms and file systems cannot.
     with contextlib.suppress(OSError):
@@ -130,6 +137,29 @@ def replace_atomic(path: Path, write: Callable[[Path], None]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+    remove_stale(path, hidden=True)
+
+
+def _out_of_space(exc: Exception, directory: Path, needed: int | None) -> bool:
+    # torch.save reports a short write as "unexpected pos", without the errno.
+    if is_no_space(exc):
+        return True
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return False
+    return needed is not None and free < needed
+
+
+def payload_bytes(obj: Any) -> int:
+    """Roughly what ``torch.save(obj)`` writes: the tensors' bytes plus a little."""
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values()) + 64
+    if isinstance(obj, list | tuple | set):
+        return sum(payload_bytes(v) for v in obj) + 64
+    return 64
 
 
 def write_file(obj: Any, tmp: Path) -> None:
@@ -148,8 +178,9 @@ def save_checkpoint(obj: Mapping[str, Any], path: str | os.PathLike[str]) -> Non
     ``Counter``/``list``/``tuple``/``set`` of them. NumPy scalars are stored as
     Python numbers (in a copy; ``obj`` is not modified). NumPy arrays are refused
     rather than converted, so what you load back has the type you stored. The
-    data goes to ``.{name}.tmp-{pid}-{random}`` next to ``path``, is fsynced, and
-    is renamed over ``path``.
+    data goes to ``.{name}.tmp-{host}-{pid}-{random}`` next to ``path``, is
+    fsynced, and is renamed over ``path``; such files that killed saves left
+    behind are removed then.
 
     Args:
         obj: a mapping, usually of state dicts.
@@ -160,7 +191,8 @@ def save_checkpoint(obj: Mapping[str, Any], path: str | os.PathLike[str]) -> Non
             its key path and type. Nothing is written.
         FileNotFoundError: the directory of ``path`` does not exist.
         NotADirectoryError: the parent of ``path`` is not a directory.
-        OSError: writing failed (a full disk ...); ``path`` is as it was.
+        OSError: writing failed; ``path`` is as it was. A full disk is
+            ``ENOSPC`` with the room needed and free in the message.
 
     Example:
         >>> save_checkpoint({"model": model.state_dict(), "epoch": 3}, "run/ckpt.pth")
@@ -176,7 +208,7 @@ def save_checkpoint(obj: Mapping[str, Any], path: str | os.PathLike[str]) -> Non
             else (FileNotFoundError, "does not exist; create it first")
         )
         raise error(f"save_checkpoint: {target.parent}, the directory of {target}, {problem}")
-    replace_atomic(target, functools.partial(write_file, clean))
+    replace_atomic(target, functools.partial(write_file, clean), payload_bytes(clean))
 
 
 def load_checkpoint(
@@ -200,6 +232,7 @@ def load_checkpoint(
         >>> state = load_checkpoint("run/latest.pth")
     """
     try:
+        _check_records(path)
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"load_checkpoint: no checkpoint file at {path}") from None
@@ -224,11 +257,36 @@ def load_checkpoint(
     return obj
 
 
+def _check_records(path: str | os.PathLike[str]) -> None:
+    """Check every record's CRC: torch stores them in the zip but does not check them on load.
+
+    A bit-rotted tensor would otherwise load silently, with wrong numbers.
+    """
+    if not zipfile.is_zipfile(path):
+        return  # torch's legacy format, or not a zip at all: torch.load says which
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError) as exc:
+        raise _damaged(path, exc) from exc
+    if bad is not None:
+        raise CheckpointError(
+            f"{path} is damaged: record {bad!r} fails its CRC check (bit rot, or a bad copy), "
+            "so its numbers cannot be trusted; use an older checkpoint. " + see("checkpoints")
+        )
+
+
 def _damaged(path: object, error: BaseException) -> CheckpointError:
-    reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    text = str(error).strip()
+    # torch's own message suggests weights_only=False: never pass that on.
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1].strip()
+    elif "weights_only" in text:
+        text = "its pickled data are unreadable"
+    reason = (text.splitlines() or [type(error).__name__])[0][:200]
     return CheckpointError(
-        f"{path} is damaged (truncated write? full disk?) and cannot be loaded ({reason}); "
-        "use an older checkpoint"
+        f"{path} is damaged (truncated write? full disk? bit rot?) and cannot be loaded "
+        f"({reason}); use an older checkpoint"
     )
 
 

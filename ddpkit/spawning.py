@@ -18,8 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit.devices import resolve_backend
 from ddpkit.dist import join_job
-from ddpkit.job import DistInfo, resolve_job
+from ddpkit.job import DistInfo, as_timeout, check_count, resolve_job
 from ddpkit.launchers import LaunchEnv, MasterEndpoint, master_endpoint
 from ddpkit.processes import run_processes
 
@@ -94,6 +95,11 @@ def spawn(
         >>> def main(info: DistInfo, epochs: int) -> None: ...
         >>> spawn(main, args=(90,), nnodes=2, node_rank=0, init_method="tcp://10.0.0.1:23456")
     """
+    if not callable(fn):
+        raise ValueError(f"spawn needs a function to run, got {fn!r}")
+    rendezvous_timeout = as_timeout("rendezvous_timeout", rendezvous_timeout)
+    timeout = as_timeout("timeout", timeout)
+    resolve_backend(backend, torch.device("cpu"))  # a backend that exists, checked here
     if nprocs is None:
         nprocs = torch.cuda.device_count()
         if nprocs == 0:
@@ -101,9 +107,10 @@ def spawn(
                 "spawn(nprocs=None) starts one process per GPU, and no GPU is visible: "
                 "pass nprocs=N to run N CPU processes with Gloo"
             )
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
+    check_count("nprocs", nprocs, 1)
+    check_count("nnodes", nnodes, 1)
+    check_count("node_rank", node_rank, 0)
+    if node_rank >= nnodes:
         raise ValueError(f"node_rank={node_rank} must be in 0..{nnodes - 1} for nnodes={nnodes}")
     if nnodes > 1 and init_method is None:
         raise ValueError(

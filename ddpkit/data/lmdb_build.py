@@ -9,9 +9,9 @@ directory has no index record, so it never opens as a finished database.
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass
@@ -20,8 +20,10 @@ from typing import Literal
 
 import lmdb
 import numpy as np
+import pyarrow as pa
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
+from ddpkit.data.build_output import check_output, move_into_place, temp_output
 from ddpkit.data.images import Check, prepare_image
 from ddpkit.data.lmdb_format import INDEX_KEY, encode_index, sample_key
 from ddpkit.data.lmdb_sources import (
@@ -34,6 +36,7 @@ from ddpkit.data.lmdb_sources import (
 )
 from ddpkit.data.threads import ordered_map
 from ddpkit.devices import usable_cpus
+from ddpkit.files import is_no_space, no_space
 
 __all__ = ["BuildSummary", "ImageError", "build_lmdb"]
 
@@ -101,6 +104,7 @@ def build_lmdb(
     map_size: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    allow_empty: bool = False,
 ) -> BuildSummary:
     """Write the images of ``source`` and their labels into a new database at ``output``.
 
@@ -129,18 +133,26 @@ def build_lmdb(
         on_error: ``"fail"`` raises on the first bad image; ``"skip"`` leaves it
             out and lists it in :attr:`BuildSummary.skipped`.
         map_size: the first LMDB map size in bytes (default 1 GiB); it doubles when full.
-        overwrite: replace a database at ``output`` once the new one is complete.
+        overwrite: replace a database at ``output`` once the new one is complete;
+            only an LMDB database is ever replaced.
         progress: show a tqdm bar on stderr.
+        allow_empty: write a database even when no image could be stored
+            (by default that is an ``ImageError`` and nothing is written).
 
     Returns:
         A :class:`BuildSummary`.
 
     Raises:
         FileNotFoundError: ``source`` does not exist.
-        FileExistsError: ``output`` exists and ``overwrite`` is false (checked
-            before any work), or ``output`` is a directory that is not an LMDB.
-        ImageError: a bad image with ``on_error="fail"``.
-        ValueError: an invalid option, list-file line, Parquet column or label.
+        FileExistsError: ``output`` exists and ``overwrite`` is false, or it is
+            not an LMDB database (a file, a link, a directory with other files);
+            checked before any work.
+        ImageError: a bad image (or a directory reached twice through links)
+            with ``on_error="fail"``, or no image stored without ``allow_empty``.
+        ValueError: an invalid option, list-file line, Parquet column or label;
+            an empty path, or ``output`` that is or lies inside ``source``.
+        OSError: the disk filled up (``ENOSPC``; the message says how much room
+            was needed and how much is free); nothing is left at ``output``.
 
     Example:
         >>> summary = build_lmdb("data/train", "data/train.lmdb", max_side=512)  # doctest: +SKIP
@@ -161,9 +173,9 @@ def build_lmdb(
             raise ValueError(f"{name} must be at least {low}; got {value}")
     if quality > 100:
         raise ValueError(f"quality must lie in 1..100; got {quality}")
-    if not os.path.exists(source):
+    if source.strip() and not os.path.exists(source):
         raise FileNotFoundError(f"{source}: no such file or directory to build a database from")
-    _check_output(output, overwrite)
+    check_output(source, output, overwrite)
     fmt = detect_format(source) if source_format == "auto" else source_format
     if root is not None and fmt != "list":
         raise ValueError(f"root={root!r} applies to list files only; {source} is read as {fmt}")
@@ -179,8 +191,11 @@ def build_lmdb(
     else:
         src = parquet_source(source, image_column, label_column, classes)
 
+    if src.problems and on_error == "fail":
+        where, reason = src.problems[0]
+        raise ImageError(f"{where}: {reason}. {_FIX}")
     start = time.perf_counter()
-    tmp = f"{output}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = temp_output(output)
     prepare = partial(_prepare_chunk, check=check, max_side=max_side, quality=quality)
     metadata = {
         "source": os.path.abspath(source),
@@ -188,43 +203,36 @@ def build_lmdb(
         "max_side": str(max_side or "none"),
     }
     try:
-        labels, written, skipped = _write(
-            tmp, src, prepare, workers, on_error, map_size or _INITIAL_MAP_SIZE, metadata, progress
+        written = _write(
+            tmp, src, prepare, workers, on_error, map_size or _INITIAL_MAP_SIZE, progress
         )
-        _move_into_place(tmp, output)
+        if not written.labels and not allow_empty:
+            raise ImageError(
+                f"no image of {source} could be stored ({len(written.skipped)} skipped, the first: "
+                f"{written.skipped[0] if written.skipped else 'none found'}); nothing was written "
+                "to the output. Fix the images, or pass allow_empty=True (--allow-empty)"
+            )
+        written.finish(src.classes, metadata)
+        move_into_place(tmp, output)
     except BaseException:  # KeyboardInterrupt too: never leave a half-built directory
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=len(src.classes))
+    labels = written.label_array()
+    counts = np.bincount(labels, minlength=len(src.classes))
     return BuildSummary(
         output,
         len(labels),
         src.classes,
         tuple(int(c) for c in counts),
-        written,
+        written.bytes,
         time.perf_counter() - start,
-        tuple(skipped),
+        (*src.problems, *written.skipped),
     )
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
-
-
-def _check_output(output: str, overwrite: bool) -> None:
-    if not os.path.lexists(output):
-        return
-    if not overwrite:
-        raise FileExistsError(
-            f"{output} already exists; pass overwrite=True (--overwrite) to "
-            "replace it, or choose another output path"
-        )
-    if os.path.isdir(output) and not os.path.exists(os.path.join(output, "data.mdb")):
-        raise FileExistsError(
-            f"{output} is a directory without data.mdb, not an LMDB database; "
-            "refusing to replace it even with overwrite: remove it yourself"
-        )
 
 
 def _prepare_chunk(
@@ -248,6 +256,53 @@ def _prepare_chunk(
     return prepared
 
 
+_FIX = "Fix or remove it, or pass on_error='skip' (--on-error skip) to leave it out"
+
+
+class _Written:
+    """What the build stored so far, compactly: a label and a name per sample, 8 + ~30 bytes.
+
+    Python lists of ints and strings would cost ten times that; with a million
+    images the builder's memory would then grow with the dataset.
+    """
+
+    def __init__(self, env: lmdb.Environment) -> None:
+        self.env = env
+        self.labels = array("q")
+        self.name_ends = array("q")
+        self.names = bytearray()
+        self.skipped: list[tuple[str, str]] = []
+        self.bytes = 0
+
+    def add(self, label: int, name: str) -> None:
+        self.labels.append(label)
+        self.names += name.encode("utf-8", "surrogateescape")
+        self.name_ends.append(len(self.names))
+
+    def label_array(self) -> np.ndarray:
+        return np.frombuffer(self.labels, dtype=np.int64) if self.labels else np.zeros(0, np.int64)
+
+    def finish(self, classes: Sequence[str], metadata: dict[str, str]) -> None:
+        """Write the index record, last and alone: without it this is not a ddpkit database."""
+        offsets = array("q", [0])
+        offsets.extend(self.name_ends)
+        paths = pa.LargeStringArray.from_buffers(
+            len(self.labels), pa.py_buffer(offsets), pa.py_buffer(self.names)
+        )
+        index = encode_index(
+            self.label_array(), classes, columns={"path": paths}, metadata=metadata
+        )
+        try:
+            _put_all(self.env, [(INDEX_KEY, index)], append=False)
+            self.env.sync(True)
+        except (lmdb.Error, OSError) as exc:
+            if is_no_space(exc):
+                raise no_space(self.env.path(), self.bytes + len(index)) from exc
+            raise
+        finally:
+            self.env.close()
+
+
 def _write(
     tmp: str,
     src: Source,
@@ -255,14 +310,8 @@ def _write(
     workers: int,
     on_error: str,
     map_size: int,
-    metadata: dict[str, str],
     progress: bool,
-) -> tuple[list[int], int, list[tuple[str, str]]]:
-    labels: list[int] = []
-    names: list[str] = []
-    skipped: list[tuple[str, str]] = []
-    batch: list[tuple[bytes, bytes]] = []
-    batch_bytes = written = 0
+) -> _Written:
     # No fsync per commit: an unfinished build is thrown away, so only the end must be durable.
     env = lmdb.open(
         tmp,
@@ -273,6 +322,9 @@ def _write(
         sync=False,
         metasync=False,
     )
+    written = _Written(env)
+    batch: list[tuple[bytes, bytes]] = []
+    batch_bytes = 0
     try:
         with (
             tqdm(total=src.total, unit="img", disable=not progress, desc="lmdb build") as bar,
@@ -282,29 +334,28 @@ def _write(
                 for sample, (data, reason) in zip(chunk, results, strict=True):
                     where = sample.file or sample.name
                     if data is None and on_error == "fail":
-                        raise ImageError(
-                            f"{where}: {reason}. Fix or remove it, or pass "
-                            "on_error='skip' (--on-error skip) to leave it out"
-                        )
+                        raise ImageError(f"{where}: {reason}. {_FIX}")
                     if data is None:
-                        skipped.append((where, reason))
+                        written.skipped.append((where, reason))
                         continue
-                    batch.append((sample_key(len(labels)), data))
-                    labels.append(sample.label)
-                    names.append(sample.name)
+                    batch.append((sample_key(len(written.labels)), data))
+                    written.add(sample.label, sample.name)
                     batch_bytes += len(data)
                 if len(batch) >= _COMMIT_SAMPLES or batch_bytes >= _COMMIT_BYTES:
                     _put_all(env, batch, append=True)
-                    written, batch, batch_bytes = written + batch_bytes, [], 0
+                    written.bytes, batch, batch_bytes = written.bytes + batch_bytes, [], 0
                 bar.update(len(chunk))
         _put_all(env, batch, append=True)
-        # The index goes last and alone: without it this is not a ddpkit database.
-        index = encode_index(labels, src.classes, columns={"path": names}, metadata=metadata)
-        _put_all(env, [(INDEX_KEY, index)], append=False)
-        env.sync(True)
-    finally:
+        written.bytes += batch_bytes
+    except BaseException as exc:
         env.close()
-    return labels, written + batch_bytes, skipped
+        if isinstance(exc, lmdb.Error | OSError) and is_no_space(exc):
+            # What the whole build would need, from what the images read so far took.
+            done = len(written.labels) + len(written.skipped) + len(batch)
+            needed = (written.bytes + batch_bytes) * src.total // max(done, 1)
+            raise no_space(tmp, needed) from exc
+        raise
+    return written
 
 
 def _put_all(env: lmdb.Environment, items: list[tuple[bytes, bytes]], *, append: bool) -> None:
@@ -317,18 +368,3 @@ def _put_all(env: lmdb.Environment, items: list[tuple[bytes, bytes]], *, append:
             return
         except lmdb.MapFullError:  # the transaction was aborted: grow the map and redo it
             env.set_mapsize(env.info()["map_size"] * 2)
-
-
-def _move_into_place(tmp: str, output: str) -> None:
-    if not os.path.lexists(output):
-        os.rename(tmp, output)
-        return
-    # overwrite=True (checked before the build): the old database goes only now.
-    aside = f"{output}.old-{os.getpid()}-{secrets.token_hex(4)}"
-    os.rename(output, aside)
-    try:
-        os.rename(tmp, output)
-    except BaseException:
-        os.rename(aside, output)
-        raise
-    shutil.rmtree(aside) if os.path.isdir(aside) else os.remove(aside)

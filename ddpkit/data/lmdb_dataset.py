@@ -24,7 +24,9 @@ from torch.utils.data import Dataset
 from ddpkit.data.images import decode_pil, decode_tensor
 from ddpkit.data.lmdb_format import (
     LEGACY_KEYS,
+    Identity,
     LMDBFormatError,
+    identity,
     read_index,
     sample_key,
     shared_env,
@@ -82,10 +84,12 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         self.target_transform = target_transform
         self.decode = decode
         self.readahead = readahead
-        self._envs: list[lmdb.Environment] | None = None
-        self._envs_pid = -1
         self._targets: list[int] | None = None
+        # Which files the index was read from: a file replaced later is refused, not mixed in.
+        self._real_paths = [os.path.realpath(p) for p in self.paths]
+        self._identities: list[Identity | None] = [None] * len(self.paths)
         self._load_index()
+        self._identities = [identity(p) for p in self.paths]
 
     def _load_index(self) -> None:
         indexes = [read_index(p) for p in self.paths]
@@ -135,9 +139,9 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         return image, target
 
     def __getstate__(self) -> dict[str, Any]:
-        # An LMDB environment belongs to the process that opened it: never pickle it.
+        # LMDB environments live in lmdb_format's per-process table, never here.
         state = self.__dict__.copy()
-        state["_envs"], state["_envs_pid"], state["_targets"] = None, -1, None
+        state["_targets"] = None
         return state
 
     def __repr__(self) -> str:
@@ -149,11 +153,14 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
     # -- reading -------------------------------------------------------------------------
 
     def _env(self, shard: int) -> lmdb.Environment:
-        if self._envs is None or self._envs_pid != os.getpid():
-            # First read in this process (or first after a fork): open lazily.
-            self._envs = [shared_env(p, readahead=self.readahead) for p in self.paths]
-            self._envs_pid = os.getpid()
-        return self._envs[shard]
+        # This process's environment for the file, opened lazily on its first read
+        # (also the first read after a fork); a stat per read notices a replaced file.
+        return shared_env(
+            self.paths[shard],
+            readahead=self.readahead,
+            key=self._real_paths[shard],
+            expect=self._identities[shard],
+        )
 
     def _locate(self, index: int) -> tuple[int, int]:
         shard = bisect.bisect_right(self._starts, index) - 1
@@ -162,7 +169,14 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
     def _record(self, index: int) -> tuple[bytearray, int]:
         shard, local = self._locate(index)
         with self._env(shard).begin(buffers=True) as txn:
-            buf = txn.get(sample_key(local))
+            try:
+                buf = txn.get(sample_key(local))
+            except lmdb.Error as exc:  # MDB_CORRUPTED, MDB_PAGE_NOTFOUND ...: a damaged file
+                raise LMDBFormatError(
+                    f"{self.paths[shard]}: record {local} (sample {index}) cannot be read "
+                    f"({exc}); the database is damaged: `ddpkit lmdb verify "
+                    f"{self.paths[shard]}` lists every bad record; copy it again or rebuild it"
+                ) from exc
             if buf is None:
                 raise LMDBFormatError(
                     f"{self.paths[shard]}: record {local} (sample {index}) is missing; "
@@ -265,15 +279,23 @@ class _LegacyLMDBDataset(LazyLMDBDataset):
 
 
 def _legacy_loads(value: bytes, path: str) -> Any:
-    if not value.startswith(b"\x80"):  # every pickle of protocol 2 or later starts so
+    # Any protocol: the caller allowed pickles (allow_pickle=True), and protocol 0
+    # and 1 pickles start without the 0x80 of later ones.
+    try:
+        return pickle.loads(value)
+    except Exception as exc:
+        if value.startswith(b"\xff\xff\xff\xff"):  # an Arrow IPC message
+            raise LMDBFormatError(
+                f"{path}: the records are Arrow data, not pickles: pyarrow.serialize output, a "
+                "format pyarrow removed (deprecated in 2.0, gone in 12.0), so no current library "
+                "reads it. Rebuild the database from the images with `ddpkit lmdb build`; if "
+                "only the database is left, export the images once in an environment with "
+                "pyarrow<12 and build from them."
+            ) from exc
         raise LMDBFormatError(
-            f"{path}: the records are not pickles; they look like pyarrow.serialize output, "
-            "a format pyarrow removed (deprecated in 2.0, gone in 12.0), so no current "
-            "library reads it. Rebuild the database from the images with `ddpkit lmdb build`; "
-            "if only the database is left, export the images once in an environment with "
-            "pyarrow<12 and build from them."
-        )
-    return pickle.loads(value)
+            f"{path}: a record is not a readable pickle ({type(exc).__name__}: {exc}): the "
+            "database is damaged, or not a folder2lmdb one. Rebuild it with `ddpkit lmdb build`."
+        ) from exc
 
 
 def _preview(classes: Sequence[str]) -> str:

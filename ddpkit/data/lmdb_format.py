@@ -1,195 +1,52 @@
-"""The ddpkit LMDB format, version 1: raw image bytes under index keys, an Arrow index.
+"""Open ddpkit LMDB files safely and read their index (the format itself: ``lmdb_index``).
 
-Layout of one database (an LMDB environment directory, or a single file):
-
-* sample ``i`` is stored under the key ``i`` as 8 bytes, big-endian (so the
-  B-tree's order is the index order and the builder appends); the value is the
-  image file's encoded bytes (JPEG, PNG, WebP ...), exactly as read unless the
-  builder was asked to re-encode;
-* the record :data:`INDEX_KEY` holds an Arrow IPC stream: a table with an
-  ``int64`` column ``label`` and optional per-sample columns (``path`` ...),
-  whose schema metadata names the format, its version, the class names and the
-  sample count.
-
-Nothing in it is pickled: opening a database from an untrusted source cannot
-run code. The full specification is ``docs/lmdb-format.md``.
+Every open checks the data file against its own header first, so a truncated
+copy is an error naming the file instead of a SIGBUS; each process keeps one
+read-only environment per database file, reopened after ``fork`` or when the
+file was replaced. The format's names are re-exported here.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
 
 import lmdb
-import numpy as np
-import pyarrow as pa
 
-from ddpkit._version import __version__
+from ddpkit.data.lmdb_index import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_KEY,
+    LEGACY_KEYS,
+    LMDBFormatError,
+    LMDBIndex,
+    decode_index,
+    encode_index,
+    sample_key,
+)
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "INDEX_KEY",
+    "LEGACY_KEYS",
+    "Identity",
     "LMDBFormatError",
     "LMDBIndex",
+    "check_data_file",
+    "data_file",
     "decode_index",
     "encode_index",
+    "env_for_reading",
+    "identity",
+    "is_lmdb",
     "open_env",
     "read_index",
     "sample_key",
     "shared_env",
 ]
-
-FORMAT_NAME = "ddpkit-lmdb"
-FORMAT_VERSION = 1
-INDEX_KEY = b"__ddpkit_index__"
-# The keys of the pickled layout written by the widely copied folder2lmdb.py.
-LEGACY_KEYS = (b"__keys__", b"__len__")
-
-_KEY = struct.Struct(">Q")
-
-
-class LMDBFormatError(ValueError):
-    """A path is not a ddpkit LMDB that this version can read; the message says what to do."""
-
-
-def sample_key(index: int) -> bytes:
-    """The key of sample ``index``: 8 bytes, big-endian, so keys sort in index order."""
-    return _KEY.pack(index)
-
-
-@dataclass(frozen=True)
-class LMDBIndex:
-    """What the index record of one database says.
-
-    Attributes:
-        labels: ``int64`` class index of every sample, in sample order.
-        classes: class names; label ``k`` is ``classes[k]``.
-        version: the format version the database was written with.
-        ddpkit_version: the ddpkit version that wrote it.
-        columns: the other per-sample columns that were asked for (``path`` ...).
-        metadata: any further schema metadata (builder options, source).
-    """
-
-    labels: np.ndarray
-    classes: tuple[str, ...]
-    version: int
-    ddpkit_version: str
-    columns: Mapping[str, list[Any]] = field(default_factory=dict)
-    metadata: Mapping[str, str] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-
-def encode_index(
-    labels: Sequence[int] | np.ndarray,
-    classes: Sequence[str],
-    *,
-    columns: Mapping[str, Sequence[Any]] | None = None,
-    metadata: Mapping[str, str] | None = None,
-) -> bytes:
-    """Serialise the index record: an Arrow IPC stream (no pickle).
-
-    Raises:
-        ValueError: a label outside ``0..len(classes)-1`` or a column whose
-            length differs from the number of labels.
-    """
-    label_array = np.asarray(labels, dtype=np.int64)
-    if label_array.size and (label_array.min() < 0 or label_array.max() >= len(classes)):
-        raise ValueError(
-            f"labels must lie in 0..{len(classes) - 1} for {len(classes)} classes, got "
-            f"{int(label_array.min())}..{int(label_array.max())}"
-        )
-    data: dict[str, Any] = {"label": pa.array(label_array, type=pa.int64())}
-    for name, values in (columns or {}).items():
-        if len(values) != len(label_array):
-            raise ValueError(
-                f"index column {name!r} has {len(values)} values for {len(label_array)} samples"
-            )
-        data[name] = pa.array(values)
-    meta = {
-        "format": FORMAT_NAME,
-        "version": str(FORMAT_VERSION),
-        "classes": json.dumps(list(classes)),
-        "num_samples": str(len(label_array)),
-        "ddpkit_version": __version__,
-        **(metadata or {}),
-    }
-    table = pa.table(data).replace_schema_metadata(meta)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return bytes(sink.getvalue().to_pybytes())
-
-
-def decode_index(
-    record: bytes | memoryview, *, source: str, columns: Sequence[str] = ()
-) -> LMDBIndex:
-    """Parse an index record; the label array is copied, so ``record`` may be a view into a map.
-
-    Args:
-        record: the bytes stored under :data:`INDEX_KEY`.
-        source: the database path, for error messages.
-        columns: further per-sample columns to load as Python lists.
-
-    Raises:
-        LMDBFormatError: not a ddpkit index, a newer or unknown version, or
-            inconsistent contents.
-    """
-    try:
-        table = pa.ipc.open_stream(pa.py_buffer(record)).read_all()
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise LMDBFormatError(
-            f"{source}: the index record is not readable Arrow data: {exc}"
-        ) from exc
-    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-    if meta.get("format") != FORMAT_NAME:
-        raise LMDBFormatError(
-            f"{source}: the index record says format {meta.get('format')!r}, not {FORMAT_NAME!r}"
-        )
-    try:
-        version = int(meta.get("version", ""))
-    except ValueError:
-        version = -1
-    if version != FORMAT_VERSION:
-        newer = version > FORMAT_VERSION
-        raise LMDBFormatError(
-            f"{source}: ddpkit LMDB format version {meta.get('version')!r} "
-            + (
-                f"is newer than this ddpkit ({__version__}) reads (version {FORMAT_VERSION}): "
-                "upgrade ddpkit (pip install -U ddpkit)"
-                if newer
-                else f"is unknown; this ddpkit reads version {FORMAT_VERSION}. Rebuild the "
-                "database with `ddpkit lmdb build`"
-            )
-        )
-    classes = tuple(json.loads(meta["classes"]))
-    # Copy: the record may live in a memory map that closes with its environment.
-    labels = table.column("label").to_numpy().astype(np.int64, copy=True)
-    if str(len(labels)) != meta.get("num_samples"):
-        raise LMDBFormatError(
-            f"{source}: the index lists {len(labels)} labels but says num_samples="
-            f"{meta.get('num_samples')}; the database is damaged, rebuild it"
-        )
-    missing = [c for c in columns if c not in table.column_names]
-    if missing:
-        raise LMDBFormatError(f"{source}: the index has no column(s) {missing}")
-    extra = {name: table.column(name).to_pylist() for name in columns}
-    known = {"format", "version", "classes", "num_samples", "ddpkit_version"}
-    return LMDBIndex(
-        labels=labels,
-        classes=classes,
-        version=version,
-        ddpkit_version=meta.get("ddpkit_version", "unknown"),
-        columns=extra,
-        metadata={k: v for k, v in meta.items() if k not in known},
-    )
 
 
 def open_env(path: str | os.PathLike[str], *, readahead: bool = False) -> lmdb.Environment:
@@ -197,23 +54,25 @@ def open_env(path: str | os.PathLike[str], *, readahead: bool = False) -> lmdb.E
 
     ``lock=False`` keeps readers out of LMDB's reader table, so any number of
     ranks x DataLoader workers can read without ``MDB_READERS_FULL``; it is
-    safe because a finished database is never written again.
+    safe because a finished database is never written again. The data file
+    is checked first (:func:`check_data_file`): LMDB trusts it, and a
+    truncated copy would kill the process with SIGBUS on the first read.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        LMDBFormatError: ``path`` is not an LMDB database.
+        FileNotFoundError: ``path`` does not exist (the message says where an
+            interrupted ``--overwrite`` left the database, if it did).
+        LMDBFormatError: ``path`` is not an LMDB database, or is truncated.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(
-            f"{path}: no such LMDB database (build one with `ddpkit lmdb build SOURCE {path}`)"
-        )
+        raise FileNotFoundError(f"{path}: no such LMDB database. {_left_behind(path)}")
     subdir = os.path.isdir(path)
     if subdir and not os.path.exists(os.path.join(path, "data.mdb")):
         raise LMDBFormatError(
             f"{path}: a directory without data.mdb is not an LMDB database (an interrupted "
             "build never takes the final name, so this is something else)"
         )
+    check_data_file(path)
     try:
         return lmdb.open(
             path,
@@ -224,41 +83,161 @@ def open_env(path: str | os.PathLike[str], *, readahead: bool = False) -> lmdb.E
             meminit=False,
             max_readers=1024,
         )
-    except lmdb.InvalidError as exc:
-        raise LMDBFormatError(f"{path}: not an LMDB database ({exc})") from exc
+    except lmdb.Error as exc:
+        raise LMDBFormatError(f"{path}: not a readable LMDB database ({exc})") from exc
 
 
-# One environment per database per process: py-lmdb refuses to open a path
-# twice in one process, and datasets over the same file must share it.
-# Entries are (pid, env); an entry inherited through fork() is replaced.
-_SHARED: dict[str, tuple[int, lmdb.Environment]] = {}
+def data_file(path: str | os.PathLike[str]) -> str:
+    """The file that holds a database's pages: ``path/data.mdb``, or ``path`` itself."""
+    path = os.fspath(path)
+    return os.path.join(path, "data.mdb") if os.path.isdir(path) else path
 
 
-def shared_env(path: str | os.PathLike[str], *, readahead: bool = False) -> lmdb.Environment:
+def check_data_file(path: str | os.PathLike[str]) -> None:
+    """Refuse a file that is not an LMDB data file, or is shorter than its own header says.
+
+    LMDB keeps two meta pages at the start of the file; the newer one names
+    the last page in use. A file shorter than that page's end is a truncated
+    copy, and reading it through the memory map would kill the process with
+    SIGBUS: this raises first.
+
+    Raises:
+        LMDBFormatError: no LMDB header, or truncated; the message names the
+            file, the expected and the actual size, and the fix.
+    """
+    data = data_file(path)
+    size = os.path.getsize(data)
+    fix = f"Copy it again, then check it with `ddpkit lmdb verify {os.fspath(path)}`."
+    with open(data, "rb") as f:
+        first = _meta(f.read(_META_END))
+        if first is None:
+            what = "an empty file" if size == 0 else f"{size} bytes without an LMDB header"
+            raise LMDBFormatError(f"{data}: {what}, not an LMDB database file. {fix}")
+        psize = first[0]
+        f.seek(psize)
+        metas = [m for m in (first, _meta(f.read(_META_END))) if m is not None]
+    _, last_page, _ = max(metas, key=lambda m: m[2])  # the newer transaction's meta
+    expected = (last_page + 1) * psize
+    if size < expected:
+        raise LMDBFormatError(
+            f"{data} is truncated: its header says the database fills {expected} bytes "
+            f"({expected / 2**20:.1f} MiB), but the file has {size} ({size / 2**20:.1f} MiB); "
+            f"a partial copy? {fix}"
+        )
+
+
+# An LMDB meta page: a 16-byte page header, then magic and version (uint32),
+# the map address and size (8 + 8), two 48-byte database records (the page
+# size sits in the first one's 4-byte pad), the last page number and txn id.
+_META_END = 16 + 136
+_LMDB_MAGIC = 0xBEEFC0DE
+
+
+def _meta(page: bytes) -> tuple[int, int, int] | None:
+    """``(page size, last page, txn id)`` of a meta page, or None if it is not one."""
+    if len(page) < _META_END:
+        return None
+    magic, _version, psize = struct.unpack_from("<II16xI", page, 16)
+    last_page, txnid = struct.unpack_from("<QQ", page, 16 + 120)
+    if magic != _LMDB_MAGIC or psize < 512 or psize & (psize - 1):
+        return None
+    return psize, last_page, txnid
+
+
+def is_lmdb(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is recognisably an LMDB database (a data file with an LMDB header)."""
+    data = data_file(path)
+    try:
+        with open(data, "rb") as f:
+            return _meta(f.read(_META_END)) is not None
+    except OSError:
+        return False
+
+
+def _left_behind(path: str) -> str:
+    """Where an interrupted ``--overwrite`` swap left a complete database, if it did."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        entries = sorted(os.listdir(parent or "."))
+    except OSError:
+        entries = []
+    for entry in entries:
+        if entry.startswith((f"{name}.tmp-", f"{name}.old-")):
+            candidate = os.path.join(parent, entry)
+            if os.path.isdir(candidate) and is_lmdb(candidate):
+                return (
+                    f"An interrupted `ddpkit lmdb build --overwrite` left a database at "
+                    f"{candidate}: move it back (`mv {candidate} {path}`) or build again."
+                )
+    return f"Build one with `ddpkit lmdb build SOURCE {path}`."
+
+
+Identity = tuple[int, int, int, int]
+
+
+def identity(path: str | os.PathLike[str]) -> Identity:
+    """What tells one data file from another at the same path: device, inode, size, mtime."""
+    st = os.stat(data_file(path))
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+# One environment per database file per process: py-lmdb refuses to open a path
+# twice in one process, and datasets over the same file must share it. Entries
+# are (pid, identity, env): one inherited through fork(), or whose file was
+# replaced (a rebuild with --overwrite), is closed and opened again.
+_SHARED: dict[str, tuple[int, Identity, lmdb.Environment]] = {}
+
+
+def shared_env(
+    path: str | os.PathLike[str],
+    *,
+    readahead: bool = False,
+    key: str | None = None,
+    expect: Identity | None = None,
+) -> lmdb.Environment:
     """This process's environment for ``path``, opened on first use.
 
     After ``fork()`` the parent's environment must not be used (LMDB's rule)
     and still blocks a new open of the same path (py-lmdb's rule): it is
     closed in the child (which leaves the parent's untouched) and reopened.
+
+    Args:
+        path: the database.
+        readahead: for a new environment, as in :func:`open_env`.
+        key: ``os.path.realpath(path)``, if the caller has it already.
+        expect: the file's :func:`identity` when the caller read its index;
+            a different file now is an ``LMDBFormatError``.
     """
-    key = os.path.realpath(path)
+    key = key or os.path.realpath(path)
+    now = identity(path)
+    if expect is not None and now != expect:
+        raise LMDBFormatError(
+            f"{os.fspath(path)} was replaced (rebuilt or copied over) after this dataset read "
+            "its index; create the dataset again to read the new database"
+        )
     entry = _SHARED.get(key)
     if entry is not None:
-        pid, env = entry
-        if pid == os.getpid():
+        pid, known, env = entry
+        if pid == os.getpid() and known == now:
             return env
-        env.close()  # inherited through fork: drop the child's copy
+        env.close()  # inherited through fork, or its file was replaced
+        del _SHARED[key]
     env = open_env(path, readahead=readahead)
-    _SHARED[key] = (os.getpid(), env)
+    _SHARED[key] = (os.getpid(), now, env)
     return env
 
 
 @contextmanager
-def _env_for_reading(path: str | os.PathLike[str]) -> Iterator[lmdb.Environment]:
-    """The shared environment if this process has one, else a short-lived one."""
-    entry = _SHARED.get(os.path.realpath(path))
+def env_for_reading(path: str | os.PathLike[str]) -> Iterator[lmdb.Environment]:
+    """The shared environment if this process has one for this very file, else a short-lived one."""
+    key = os.path.realpath(path)
+    entry = _SHARED.get(key)
     if entry is not None and entry[0] == os.getpid():
-        yield entry[1]
+        if entry[1] == identity(path):
+            yield entry[2]
+            return
+        shared_env(path, key=key)  # the file was replaced: reopen (py-lmdb allows one open)
+        yield _SHARED[key][2]
         return
     env = open_env(path)
     try:
@@ -276,7 +255,7 @@ def read_index(path: str | os.PathLike[str], *, columns: Sequence[str] = ()) -> 
             convert a folder2lmdb database), or an unreadable or newer index.
     """
     path = os.fspath(path)
-    with _env_for_reading(path) as env, env.begin(buffers=True) as txn:
+    with env_for_reading(path) as env, env.begin(buffers=True) as txn:
         record = txn.get(INDEX_KEY)
         if record is None:
             raise LMDBFormatError(_no_index_message(path, txn))

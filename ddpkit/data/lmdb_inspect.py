@@ -8,17 +8,24 @@ can read.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import lmdb
 import numpy as np
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from ddpkit.data.images import check_image
-from ddpkit.data.lmdb_format import FORMAT_NAME, LMDBFormatError, open_env, read_index, sample_key
+from ddpkit.data.lmdb_format import (
+    FORMAT_NAME,
+    LMDBFormatError,
+    env_for_reading,
+    read_index,
+    sample_key,
+)
 from ddpkit.data.threads import ordered_map
 from ddpkit.devices import usable_cpus
 
@@ -89,20 +96,28 @@ def verify_report(
         names = [""] * len(index)
     bad: list[BadSample] = []
     decode = partial(_check_chunk, names=names)
-    env = open_env(path)
-    try:
-        with env.begin() as txn:
-            records = ((i, txn.get(sample_key(i))) for i in range(len(index)))
-            with (
-                tqdm(total=len(index), unit="img", disable=not progress, desc="lmdb verify") as bar,
-                closing(ordered_map(decode, records, workers or usable_cpus())) as checked,
-            ):
-                for chunk, found in checked:
-                    bad += found
-                    bar.update(len(chunk))
-    finally:
-        env.close()
+    threads = workers or usable_cpus()
+    with (
+        env_for_reading(path) as env,
+        env.begin() as txn,
+        tqdm(total=len(index), unit="img", disable=not progress, desc="lmdb verify") as bar,
+        closing(ordered_map(decode, _records(txn, len(index)), threads)) as checked,
+    ):
+        for chunk, found in checked:
+            bad += found
+            bar.update(len(chunk))
     return VerifyReport(path, len(index), tuple(bad))
+
+
+def _records(txn: lmdb.Transaction, count: int) -> Iterator[tuple[int, bytes | str | None]]:
+    """``(index, bytes)`` of each record, or ``(index, why it cannot be read)``: verify goes on."""
+    for i in range(count):
+        record: bytes | str | None
+        try:
+            record = txn.get(sample_key(i))  # type: ignore[assignment]  # bytes: no buffers=True
+        except lmdb.Error as exc:  # MDB_CORRUPTED, MDB_PAGE_NOTFOUND ...
+            record = f"the record cannot be read, the database file is damaged ({exc})"
+        yield i, record
 
 
 def verify_lmdb(

@@ -2,6 +2,9 @@
 
 Each reader returns the class names, the sample count and an iterable of
 samples in source order (the order that becomes the database's index order).
+The samples are produced as they are consumed, so memory does not grow with
+the number of images: the readers hold one directory listing, one line or
+one Parquet batch at a time, plus a few bytes per sample at most.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from glob import escape, glob
 from pathlib import PurePath
 from typing import Any, NamedTuple
+
+import numpy as np
 
 __all__ = [
     "Sample",
@@ -35,11 +40,16 @@ class Sample(NamedTuple):
 
 
 class Source(NamedTuple):
-    """What a reader found: class names, how many samples, and the samples in order."""
+    """What a reader found: class names, how many samples, the samples in order, and problems.
+
+    ``problems`` are ``(path, reason)`` of what the reader left out because it
+    cannot be stored as it is (a directory reached twice through links).
+    """
 
     classes: tuple[str, ...]
     total: int
     samples: Iterable[Sample]
+    problems: tuple[tuple[str, str], ...] = ()
 
 
 def detect_format(source: str) -> str:
@@ -56,21 +66,100 @@ def detect_format(source: str) -> str:
 
 
 def imagefolder_source(source: str) -> Source:
-    # torchvision's own discovery, so classes and order are ImageFolder's exactly.
-    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+    """torchvision's ImageFolder discovery and order, without following a link twice.
 
-    names, class_to_idx = find_classes(source)
-    found = make_dataset(source, class_to_idx, extensions=IMG_EXTENSIONS)
-    samples = [
-        Sample(PurePath(os.path.relpath(path, source)).as_posix(), label, path, None)
-        for path, label in found
-    ]
-    return Source(tuple(names), len(samples), samples)
+    Classes and order are ``torchvision.datasets.ImageFolder``'s exactly: the
+    classes sorted, within each the directories walked with links followed and
+    sorted by path, their files sorted. A directory reached a second time
+    (a symlink loop, or two links to one directory) would repeat its images,
+    or never end: it is left out and reported in ``problems``.
+    """
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
+
+    names, _ = find_classes(source)
+    seen: dict[str, str] = {}
+    problems: list[tuple[str, str]] = []
+    walks, total = [], 0
+    for name in names:
+        directories, count = _walk(os.path.join(source, name), IMG_EXTENSIONS, seen, problems)
+        if count == 0:
+            raise FileNotFoundError(
+                f"{source}: class {name!r} holds no image file (extensions: "
+                f"{', '.join(IMG_EXTENSIONS)}); remove the directory or add its images"
+            )
+        walks.append(directories)
+        total += count
+    samples = _imagefolder_samples(source, walks, IMG_EXTENSIONS)
+    return Source(tuple(names), total, samples, tuple(problems))
+
+
+def _walk(
+    top: str, extensions: tuple[str, ...], seen: dict[str, str], problems: list[tuple[str, str]]
+) -> tuple[list[str], int]:
+    """The directories under ``top`` (sorted), and how many image files they hold."""
+    directories, count = [], 0
+    real = os.path.realpath(top)
+    if real in seen:
+        problems.append((top, _twice(seen[real])))
+        return [], 0
+    seen[real] = top
+    for root, subdirs, files in os.walk(top, followlinks=True):
+        directories.append(root)
+        count += sum(1 for f in files if f.lower().endswith(extensions))
+        kept = []
+        for sub in subdirs:
+            path = os.path.join(root, sub)
+            real = os.path.realpath(path)
+            if real in seen:
+                problems.append((path, _twice(seen[real])))
+            else:
+                seen[real] = path
+                kept.append(sub)
+        subdirs[:] = kept
+    return sorted(directories), count
+
+
+def _twice(first: str) -> str:
+    return (
+        f"a link to {first}, a directory already read: a symlink loop or a second link "
+        "would repeat its images"
+    )
+
+
+def _imagefolder_samples(
+    source: str, walks: list[list[str]], extensions: tuple[str, ...]
+) -> Iterator[Sample]:
+    for label, directories in enumerate(walks):
+        for root in directories:
+            # One directory's listing at a time; what os.walk calls files, in name order.
+            with os.scandir(root) as listing:
+                files = sorted(
+                    e.name
+                    for e in listing
+                    if e.name.lower().endswith(extensions) and not e.is_dir()
+                )
+            for name in files:
+                path = os.path.join(root, name)
+                yield Sample(PurePath(os.path.relpath(path, source)).as_posix(), label, path, None)
 
 
 def list_source(path: str, root: str | None, classes: Sequence[str] | None) -> Source:
+    """A list file: checked whole first (count, labels), then read again line by line."""
     base = os.path.dirname(os.path.abspath(path)) if root is None else root
-    samples = []
+    total, top = 0, -1
+    for _, label, _ in _list_lines(path, classes):
+        total, top = total + 1, max(top, label)
+    if classes is None:
+        classes = [str(k) for k in range(top + 1)]
+    samples = (
+        Sample(name, label, os.path.join(base, name), None)
+        for name, label, _ in _list_lines(path, classes)
+    )
+    return Source(tuple(classes), total, samples)
+
+
+def _list_lines(path: str, classes: Sequence[str] | None) -> Iterator[tuple[str, int, int]]:
+    """``(path, label, line number)`` of each line, checked."""
     with open(path, encoding="utf-8-sig") as lines:
         for number, line in enumerate(map(str.strip, lines), 1):
             if not line or line.startswith("#"):
@@ -87,10 +176,7 @@ def list_source(path: str, root: str | None, classes: Sequence[str] | None) -> S
                     f"{path}, line {number}: label {label} is negative or beyond "
                     f"the {len(classes or ())} classes given"
                 )
-            samples.append(Sample(match["path"], label, os.path.join(base, match["path"]), None))
-    if classes is None:
-        classes = [str(k) for k in range(max((s.label for s in samples), default=-1) + 1)]
-    return Source(tuple(classes), len(samples), samples)
+            yield match["path"], label, number
 
 
 def parquet_source(
@@ -107,7 +193,7 @@ def parquet_source(
     if not paths:
         raise FileNotFoundError(f"{source}: no *.parquet files in this directory")
     files = [pq.ParquetFile(p) for p in paths]
-    values = []
+    parts = []
     for path, file in zip(paths, files, strict=True):
         schema = file.schema_arrow
         missing = sorted({image_column, label_column} - set(schema.names))
@@ -127,27 +213,45 @@ def parquet_source(
                 "or a struct with a 'bytes' field"
             )
         # Only the label column: string labels need every name before the first sample.
-        column = file.read(columns=[label_column]).column(0)
+        column = file.read(columns=[label_column]).column(0).combine_chunks()
         if pa.types.is_dictionary(column.type):
             column = column.cast(column.type.value_type)
-        values += column.to_pylist()
-    if any(isinstance(v, str) for v in values):
-        names = list(classes) if classes is not None else sorted({v for v in values if v})
-        position = {name: k for k, name in enumerate(names)}
-        labels = [position.get(v, -1) for v in values]
-    else:
-        labels = values
-        top = max((v for v in labels if isinstance(v, int)), default=-1)
-        names = list(classes) if classes is not None else [str(k) for k in range(top + 1)]
-    for row, (value, label) in enumerate(zip(values, labels, strict=True)):
-        if not isinstance(label, int) or not 0 <= label < len(names):
-            raise ValueError(
-                f"{source}: row {row} (counting across files) has label {value!r}, "
-                f"not one of the {len(names)} classes {names[:10]}"
-            )
+        parts.append(column)
+    names, labels = _parquet_labels(source, parts, classes)
     rows = _parquet_rows(paths, files, image_column)
-    samples = (s._replace(label=k) for s, k in zip(rows, labels, strict=True))
+    samples = (s._replace(label=int(k)) for s, k in zip(rows, labels, strict=True))
     return Source(tuple(names), len(labels), samples)
+
+
+def _parquet_labels(
+    source: str, parts: list[Any], classes: Sequence[str] | None
+) -> tuple[list[str], np.ndarray]:
+    """Class names and an int64 label per row (8 bytes a row, not a Python object)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    text = any(pa.types.is_string(p.type) or pa.types.is_large_string(p.type) for p in parts)
+    column = pa.chunked_array([p.cast(pa.large_string() if text else pa.int64()) for p in parts])
+    if text:
+        found = pc.unique(column.drop_null()).to_pylist()
+        names = list(classes) if classes is not None else sorted(v for v in found if v)
+        codes = pc.index_in(column, value_set=pa.array(names, pa.large_string()))
+    else:
+        top = pc.max(column).as_py()
+        top = -1 if top is None else top
+        names = list(classes) if classes is not None else [str(k) for k in range(top + 1)]
+        codes = column
+    labels = codes.to_numpy(zero_copy_only=False) if not codes.null_count else None
+    if labels is None or (labels.size and (labels.min() < 0 or labels.max() >= len(names))):
+        valid = pc.and_(
+            pc.is_valid(codes), pc.and_(pc.greater_equal(codes, 0), pc.less(codes, len(names)))
+        )
+        row = pc.index(pc.fill_null(valid, False), False).as_py()
+        raise ValueError(
+            f"{source}: row {row} (counting across files) has label "
+            f"{column[row].as_py()!r}, not one of the {len(names)} classes {names[:10]}"
+        )
+    return names, labels.astype(np.int64, copy=False)
 
 
 def _parquet_rows(paths: list[str], files: list[Any], image_column: str) -> Iterator[Sample]:
