@@ -104,7 +104,7 @@ def init_distributed(
     """
     timeout = as_timeout("timeout", timeout)
     rendezvous_timeout = as_timeout("rendezvous_timeout", rendezvous_timeout)
-    _check_names(backend, network)
+    _check_names(init_method, backend, network, device)
     if dist.is_available() and dist.is_initialized():
         warnings.warn(
             "init_distributed: a process group already exists; returning its description "
@@ -140,9 +140,15 @@ def init_distributed(
     )
 
 
-def _check_names(backend: object, network: object) -> None:
-    """Refuse a backend or network argument of the wrong kind before any work."""
+def _check_names(init_method: object, backend: object, network: object, device: object) -> None:
+    """Refuse an init method, backend, network or device of the wrong kind before any work."""
+    if init_method is not None and not isinstance(init_method, str):
+        raise ValueError(
+            f"init_method must be a string such as 'tcp://host:port', got {init_method!r}"
+        )
     devices.resolve_backend(backend, torch.device("cpu"))  # type: ignore[arg-type]
+    if device is not None:
+        devices.as_device(device)  # type: ignore[arg-type]
     if network is not None and not isinstance(network, str):
         raise ValueError(
             f"network must be 'auto', an interface name such as 'eth0', or None; got {network!r}"

@@ -173,7 +173,13 @@ def as_timeout(name: str, value: object) -> timedelta:
         raise ValueError(f"{name} must be a timedelta or a number of seconds, got {value!r}")
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"{name} must be a positive, finite duration, got {value!r}")
-    return timedelta(seconds=seconds)
+    try:
+        duration = timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"{name}={value!r} is too long a duration") from None
+    if duration <= timedelta(0):  # below timedelta's microsecond
+        raise ValueError(f"{name}={value!r} is shorter than a microsecond")
+    return duration
 
 
 def check_count(name: str, value: object, low: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -54,6 +55,12 @@ def write_environment(info: ddpkit.DistInfo, outdir: str) -> None:
     seen: dict[str, object] = {name: os.environ.get(name) for name in names}
     seen["init_method"] = info.init_method
     Path(outdir, f"env{info.rank}.json").write_text(json.dumps(seen))
+
+
+def sleep_and_record(info: ddpkit.DistInfo, outdir: str) -> None:
+    """spawn() target: record this rank's pid, then wait to be killed."""
+    Path(outdir, f"rank{info.rank}.pid").write_text(str(os.getpid()))
+    time.sleep(300)
 
 
 def fail_on_rank_one(info: ddpkit.DistInfo) -> None:

@@ -196,10 +196,19 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         except Exception as exc:
             shard, local = self._locate(index)
             raise LMDBFormatError(
-                f"sample {index} (record {local} of {self.paths[shard]}) does not decode as an "
-                f"image: {type(exc).__name__}: {exc}. `ddpkit lmdb verify "
-                f"{self.paths[shard]}` lists every bad record."
+                f"sample {index} (record {local} of {self.paths[shard]}"
+                f"{self._built_from(shard, local)}) does not decode as an image: "
+                f"{type(exc).__name__}: {exc}. `ddpkit lmdb verify {self.paths[shard]}` lists "
+                "every bad record."
             ) from exc
+
+    def _built_from(self, shard: int, local: int) -> str:
+        """``", built from <path>"`` for an error message, when the index keeps paths."""
+        try:  # read on this error only: a path per sample costs memory the dataset never keeps
+            name = read_index(self.paths[shard], columns=("path",)).columns["path"][local]
+        except Exception:
+            return ""
+        return f", built from {name}" if name else ""
 
     # -- the old pickled layout ----------------------------------------------------------
 

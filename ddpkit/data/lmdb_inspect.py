@@ -99,9 +99,8 @@ def verify_report(
     threads = workers or usable_cpus()
     with (
         env_for_reading(path) as env,
-        env.begin() as txn,
         tqdm(total=len(index), unit="img", disable=not progress, desc="lmdb verify") as bar,
-        closing(ordered_map(decode, _records(txn, len(index)), threads)) as checked,
+        closing(ordered_map(decode, _records(env, len(index)), threads)) as checked,
     ):
         for chunk, found in checked:
             bad += found
@@ -109,15 +108,21 @@ def verify_report(
     return VerifyReport(path, len(index), tuple(bad))
 
 
-def _records(txn: lmdb.Transaction, count: int) -> Iterator[tuple[int, bytes | str | None]]:
+def _records(env: lmdb.Environment, count: int) -> Iterator[tuple[int, bytes | str | None]]:
     """``(index, bytes)`` of each record, or ``(index, why it cannot be read)``: verify goes on."""
-    for i in range(count):
-        record: bytes | str | None
-        try:
-            record = txn.get(sample_key(i))  # type: ignore[assignment]  # bytes: no buffers=True
-        except lmdb.Error as exc:  # MDB_CORRUPTED, MDB_PAGE_NOTFOUND ...
-            record = f"the record cannot be read, the database file is damaged ({exc})"
-        yield i, record
+    txn = env.begin()
+    try:
+        for i in range(count):
+            record: bytes | str | None
+            try:
+                record = txn.get(sample_key(i))
+            except lmdb.Error as exc:  # MDB_CORRUPTED, MDB_PAGE_NOTFOUND ...
+                record = f"the record cannot be read, the database file is damaged ({exc})"
+                txn.abort()  # LMDB: a transaction that failed is unusable; the next is fresh
+                txn = env.begin()
+            yield i, record
+    finally:
+        txn.abort()
 
 
 def verify_lmdb(
@@ -167,11 +172,13 @@ def describe_lmdb(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
-def _check_chunk(chunk: list[tuple[int, bytes | None]], *, names: Sequence[str]) -> list[BadSample]:
+def _check_chunk(
+    chunk: list[tuple[int, bytes | str | None]], *, names: Sequence[str]
+) -> list[BadSample]:
     """The records of ``chunk`` that do not decode (runs in a worker thread)."""
     found = []
     for index, data in chunk:
-        reason = check_image(data, "decode")
+        reason = data if isinstance(data, str) else check_image(data, "decode")
         if reason is not None:
             found.append(BadSample(index, names[index], reason))
     return found

@@ -77,12 +77,13 @@ def imagefolder_source(source: str) -> Source:
     from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 
     names, _ = find_classes(source)
-    seen: dict[str, str] = {}
+    seen = {os.path.realpath(source): source}  # a link back to the root is a loop too
     problems: list[tuple[str, str]] = []
     walks, total = [], 0
     for name in names:
+        reported = len(problems)
         directories, count = _walk(os.path.join(source, name), IMG_EXTENSIONS, seen, problems)
-        if count == 0:
+        if count == 0 and not (directories == [] and len(problems) > reported):
             raise FileNotFoundError(
                 f"{source}: class {name!r} holds no image file (extensions: "
                 f"{', '.join(IMG_EXTENSIONS)}); remove the directory or add its images"

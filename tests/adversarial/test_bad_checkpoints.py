@@ -1,0 +1,136 @@
+"""Damaged checkpoints, full disks and killed saves: caught, named, and nothing lost."""
+
+from __future__ import annotations
+
+import errno
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from corpus import dead_pid, image_tree, leftover_name, small_disk, snapshot
+from torch import nn
+
+from ddpkit import CheckpointError, CheckpointManager, load_checkpoint, save_checkpoint
+from ddpkit.data import build_lmdb
+from ddpkit.testing import run_distributed
+
+
+def _state() -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(4096.0), "b": torch.ones(16)}
+
+
+def _rot(path: Path, record_suffix: str) -> None:
+    """Flip a byte inside one stored record of a checkpoint, as bit rot would."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(record_suffix))
+    # The local header: 30 bytes, then the name and an extra field whose lengths it
+    # gives (torch pads the extra field to align tensors); the data follow.
+    head = info.header_offset
+    name_len, extra_len = struct.unpack_from("<HH", data, head + 26)
+    start = head + 30 + name_len + extra_len
+    data[start + info.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_bit_rot_in_a_tensor_is_caught_not_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pth"
+    save_checkpoint(_state(), path)
+    _rot(path, "data/0")
+    with pytest.raises(CheckpointError, match=r"record '.*data/0' fails its CRC check"):
+        load_checkpoint(path)
+
+
+def test_resume_falls_back_when_latest_rotted(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager.save(0, model, optimizer, metrics={"acc1": 1.0})
+    manager.save(1, model, optimizer, metrics={"acc1": 2.0})
+    _rot(tmp_path / "latest.pth", "data/0")
+    with pytest.warns(RuntimeWarning, match="CRC"):
+        start = CheckpointManager(tmp_path).resume(model, optimizer)
+    assert start == 1  # previous.pth: epoch 0
+
+
+def _load_each(rank: int, world_size: int, paths: list[str]) -> list[str]:
+    """What load_checkpoint says of each file (in a child: a loader could crash)."""
+    out = []
+    for path in paths:
+        try:
+            load_checkpoint(path)
+            out.append("loaded")
+        except CheckpointError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_truncations_and_damage_are_named_and_never_advise_unsafe_loading(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pth"
+    save_checkpoint({**_state(), "meta": {"epoch": 3, "names": ["a", "b"]}}, path)
+    data = path.read_bytes()
+    damaged = []
+    for k, size in enumerate(
+        [1, 100, len(data) // 3, len(data) // 2, len(data) - 22, len(data) - 1]
+    ):
+        damaged.append(tmp_path / f"cut{k}.pth")
+        damaged[-1].write_bytes(data[:size])
+    with zipfile.ZipFile(path) as archive:  # a pickle garbled, its CRC made to match
+        names = {i.filename: archive.read(i.filename) for i in archive.infolist()}
+    pickled = next(n for n in names if n.endswith("data.pkl"))
+    names[pickled] = names[pickled][:20] + b"\x8f\x8f\x8f" + names[pickled][23:]
+    garbled = tmp_path / "garbled.pth"
+    with zipfile.ZipFile(garbled, "w", zipfile.ZIP_STORED) as archive:
+        for name, body in names.items():
+            archive.writestr(name, body)
+    damaged.append(garbled)
+    said = run_distributed(_load_each, 1, args=([str(p) for p in damaged],), init=None, timeout=120)
+    for path_, message in zip(damaged, said[0], strict=True):
+        assert message != "loaded", path_
+        assert str(path_) in message
+        assert "weights_only=False" not in message
+        assert "use an older checkpoint" in message
+
+
+def test_a_full_disk_is_named_and_the_previous_file_kept(tmp_path: Path) -> None:
+    with small_disk(tmp_path, "1m") as disk:
+        if disk is None:
+            pytest.skip("cannot mount a small tmpfs here (needs root on Linux)")
+        path = disk / "ckpt.pth"
+        save_checkpoint({"w": torch.ones(16)}, path)
+        before = path.read_bytes()
+        with pytest.raises(OSError, match="No space left on") as info:
+            save_checkpoint({"w": torch.ones(1 << 20)}, path)  # 4 MiB on a 1 MiB disk
+        assert info.value.errno == errno.ENOSPC
+        assert "about 4.0 MiB needed" in str(info.value)
+        assert "free" in str(info.value)
+        assert path.read_bytes() == before
+        assert sorted(p.name for p in disk.iterdir()) == ["ckpt.pth"]  # no temporary left
+
+
+def test_a_full_disk_stops_a_build_cleanly(tmp_path: Path) -> None:
+    tree = image_tree(tmp_path / "imgs", per_class=40)
+    with small_disk(tmp_path, "64k") as disk:
+        if disk is None:
+            pytest.skip("cannot mount a small tmpfs here (needs root on Linux)")
+        with pytest.raises(OSError, match="No space left on") as info:
+            build_lmdb(tree, disk / "db", progress=False)
+        assert info.value.errno == errno.ENOSPC
+        assert "needed" in str(info.value)
+        assert list(disk.iterdir()) == []  # neither a database nor a temporary
+
+
+def test_leftovers_of_killed_saves_are_removed_by_the_next_save(tmp_path: Path) -> None:
+    path = tmp_path / "latest.pth"
+    stale = leftover_name(path, "tmp", dead_pid(), hidden=True)
+    stale.write_bytes(b"x" * 4096)
+    other_host = tmp_path / ".latest.pth.tmp-elsewhere-1-0123abcd"
+    other_host.write_bytes(b"y")
+    save_checkpoint(_state(), path)
+    assert not stale.exists()
+    assert other_host.exists()  # another node's save in progress, maybe: not ours to remove
+    keep = snapshot(tmp_path)
+    save_checkpoint(_state(), path)  # a second save finds nothing more to remove
+    assert snapshot(tmp_path).keys() == keep.keys()

@@ -1,0 +1,343 @@
+"""Jobs that go wrong at start-up: no wait past the deadline, no orphan, a message naming why."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ddpkit
+from ddpkit import RendezvousError, init_distributed
+from ddpkit.cli import main
+from ddpkit.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def silent_listener() -> Iterator[int]:
+    """A port where something accepts connections and never says a word."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+    for conn in accepted:
+        conn.close()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_silent_listener_cannot_hold_a_rank_past_the_deadline(
+    silent_listener: int, rank: int
+) -> None:
+    # rank 0 too: under torchrun the launcher hosts the store and rank 0 connects.
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(silent_listener)}
+    env.update({"RANK": str(rank), "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    start = time.monotonic()
+    message = run_distributed(_join_env, 1, args=(env, 3.0), init=None, timeout=60)[0]
+    elapsed = time.monotonic() - start
+    assert f"something at 127.0.0.1:{silent_listener} accepted the connection" in message
+    assert "did not answer as a ddpkit/c10d store within 3 s" in message
+    assert elapsed < 3.0 + 15  # the deadline, the grace, and a child process's start
+
+
+def _join_env(rank: int, world_size: int, env: dict[str, str], seconds: float) -> str:
+    os.environ.update(env)
+    try:
+        init_distributed(rendezvous_timeout=timedelta(seconds=seconds))
+    except RendezvousError as exc:
+        return str(exc)
+    return "joined"
+
+
+_RANK = textwrap.dedent(
+    """
+    import sys
+    from datetime import timedelta
+    import ddpkit
+    url, rank, world, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    print("starting", flush=True)
+    try:
+        ddpkit.init_distributed(url, world_size=world, rank=rank,
+                                rendezvous_timeout=timedelta(seconds=seconds))
+    except ddpkit.RendezvousError as exc:
+        print("ERROR", exc, flush=True)
+        sys.exit(3)
+    print("joined", flush=True)
+    """
+)
+
+
+def _start_rank(url: str, rank: int, world: int, seconds: float) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.Popen(
+        [sys.executable, "-c", _RANK, url, str(rank), str(world), str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def _wait_listening(port: int, within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    pytest.fail(f"nothing listened on {port} within {within} s")
+
+
+@pytest.mark.parametrize("when", ["before-joining", "while-waiting"])
+def test_a_stopped_rank_zero_cannot_hold_the_others_past_the_deadline(when: str) -> None:
+    port = _free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    zero = _start_rank(url, 0, 3, 300.0)  # waits for 3 ranks: only 2 come
+    other = None
+    try:
+        _wait_listening(port)
+        if when == "while-waiting":
+            other = _start_rank(url, 1, 3, 6.0)
+            assert other.stdout is not None
+            assert other.stdout.readline().strip() == "starting"
+            time.sleep(3.0)  # rank 1 is in the rendezvous, polling rank 0's store
+        os.kill(zero.pid, signal.SIGSTOP)  # Ctrl-Z
+        start = time.monotonic()
+        if other is None:
+            other = _start_rank(url, 1, 3, 6.0)
+        out, _ = other.communicate(timeout=90)
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(zero.pid, signal.SIGKILL)
+        zero.wait()
+        if other is not None and other.poll() is None:
+            other.kill()
+    assert other.returncode == 3, out
+    assert "ERROR" in out
+    assert "SIGSTOP" in out  # the message says what it saw
+    assert elapsed < 6.0 + 25  # the deadline, grace for the verdict, and a start-up
+
+
+_PARENT = textwrap.dedent(
+    """
+    import os, sys, time
+    import ddpkit
+    sys.path.insert(0, sys.argv[2])
+    from dist_jobs import sleep_and_record
+    ddpkit.spawn(sleep_and_record, 2, args=(sys.argv[1],))
+    """
+)
+
+
+def test_killing_the_spawn_parent_ends_its_ranks(tmp_path: Path) -> None:
+    tests = str(ROOT / "tests")
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path), tests], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert time.monotonic() < deadline, "the ranks never started"
+            assert parent.poll() is None, "spawn ended early"
+            time.sleep(0.1)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        orphans = [pid for pid in pids if _alive(pid)]
+    finally:
+        parent.kill()
+        for path in tmp_path.glob("rank*.pid"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(path.read_text()), signal.SIGKILL)
+    assert orphans == [], "ranks outlived their SIGKILLed parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "url", ["file://./rdzv", "file://rel/path", "file:rdzv", "file://server/share/rdzv"]
+)
+def test_a_relative_file_url_is_refused_with_its_absolute_form(url: str) -> None:
+    with pytest.raises(ValueError, match="relative path") as info:
+        init_distributed(url, world_size=2, rank=0)
+    assert "file:///" in str(info.value)
+    assert not Path("/rdzv").exists()
+
+
+def test_an_absolute_file_url_works(tmp_path: Path) -> None:
+    with init_distributed(f"file://{tmp_path}/rdzv", world_size=1, rank=0, network=None) as info:
+        assert info.init_method == f"file://{tmp_path}/rdzv"
+
+
+_BAD_DURATIONS = [0, -1, -0.5, math.nan, math.inf, "60", True, None, [1]]
+
+
+@pytest.mark.parametrize("name", ["timeout", "rendezvous_timeout"])
+@pytest.mark.parametrize("value", _BAD_DURATIONS, ids=repr)
+def test_bad_timeouts_are_named_before_any_work(name: str, value: object) -> None:
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=name):
+        init_distributed("tcp://127.0.0.1:1", world_size=2, rank=1, **{name: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=name):
+        ddpkit.spawn(print, 1, **{name: value})  # type: ignore[arg-type]
+    assert time.monotonic() - start < 5  # refused, not tried
+
+
+def test_a_number_of_seconds_is_a_timeout() -> None:
+    info = init_distributed(timeout=60, rendezvous_timeout=5.5)
+    assert not info.is_distributed
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backend": "bogus"}, "backend='bogus' is not a backend"),
+        ({"backend": 3}, "backend must be"),
+        ({"network": 5}, "network must be"),
+        ({"device": "gpu0"}, "device='gpu0' is not a device"),
+        ({"world_size": "2", "rank": 0}, "world_size must be an int"),
+        ({"world_size": 2, "rank": 1.0}, "rank must be an int"),
+        ({"world_size": True, "rank": 0}, "world_size must be an int"),
+        ({"world_size": 2, "rank": 0, "local_rank": -1}, "local_rank must be >= 0"),
+        ({"init_method": 5, "world_size": 2, "rank": 0}, "init_method must be a string"),
+        ({"init_method": "tcp://h:0", "world_size": 2, "rank": 0}, "a port 1..65535"),
+        ({"init_method": "tcp://h:70000", "world_size": 2, "rank": 0}, "a port 1..65535"),
+        ({"init_method": "tcp://h:port", "world_size": 2, "rank": 0}, "a port 1..65535"),
+    ],
+)
+def test_bad_arguments_are_value_errors_naming_them(kwargs: dict[str, object], match: str) -> None:
+    kwargs.setdefault("init_method", "tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match=match):
+        init_distributed(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"nprocs": 0}, "nprocs must be at least 1"),
+        ({"nprocs": -1}, "nprocs must be at least 1"),
+        ({"nprocs": True}, "nprocs must be an int"),
+        ({"nprocs": "2"}, "nprocs must be an int"),
+        ({"nprocs": 1, "nnodes": 0}, "nnodes must be at least 1"),
+        ({"nprocs": 1, "node_rank": -1}, "node_rank must be at least 0"),
+        ({"nprocs": 1, "backend": "bogus"}, "is not a backend"),
+    ],
+)
+def test_bad_spawn_arguments_are_named(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ddpkit.spawn(print, **kwargs)  # type: ignore[arg-type]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    value=st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.integers(-(10**6), 10**6),
+        st.text(max_size=5),
+        st.booleans(),
+        st.none(),
+    )
+)
+def test_any_timeout_value_is_taken_or_named(value: object) -> None:
+    from ddpkit.job import as_timeout
+
+    try:
+        seconds = as_timeout("timeout", value).total_seconds()
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        message = ""
+    if message:
+        assert "timeout" in message
+        return
+    assert seconds > 0
+    assert math.isfinite(seconds)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=40))
+def test_any_init_url_is_resolved_or_refused_clearly(text: str) -> None:
+    from ddpkit.job import resolve_job
+
+    try:
+        plan = resolve_job(text, world_size=2, rank=0)
+    except ValueError:
+        return
+    assert plan is not None
+    assert plan.scheme in ("tcp", "file")
+    if plan.scheme == "tcp":
+        assert plan.master_port is not None
+        assert 0 < plan.master_port < 65536
+    else:
+        assert plan.file_path is not None
+        assert os.path.isabs(plan.file_path)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0", "abc", "-inf"])
+def test_doctor_refuses_a_bad_timeout_flag(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["doctor", "--timeout", value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --timeout" in err  # argparse takes "-inf" for a flag, and says so
+    assert "doctor bug" not in err
+
+
+def _join_with_world(rank: int, world_size: int, url: str, worlds: list[int]) -> tuple[str, float]:
+    start = time.monotonic()
+    try:
+        init_distributed(
+            url, world_size=worlds[rank], rank=rank, rendezvous_timeout=timedelta(seconds=60)
+        )
+    except RendezvousError as exc:
+        return str(exc), time.monotonic() - start
+    ddpkit.shutdown()
+    return "joined", time.monotonic() - start
+
+
+def test_rank_zero_with_a_larger_world_size_is_named_at_once() -> None:
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    out = run_distributed(_join_with_world, 2, args=(url, [3, 2]), init=None, timeout=120)
+    for message, elapsed in out:
+        assert "disagree on the job" in message
+        assert "rank 0 has world_size=3" in message
+        assert "was started with world_size=2" in message
+        assert elapsed < 30  # not the 60 s rendezvous timeout
