@@ -25,7 +25,7 @@ from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from ddpkit.data.build_output import check_output, move_into_place, temp_output
 from ddpkit.data.images import Check, prepare_image
-from ddpkit.data.lmdb_format import INDEX_KEY, encode_index, sample_key
+from ddpkit.data.lmdb_index import INDEX_KEY, encode_index_buffer, sample_key
 from ddpkit.data.lmdb_sources import (
     Sample,
     Source,
@@ -212,16 +212,15 @@ def build_lmdb(
                 f"{written.skipped[0] if written.skipped else 'none found'}); nothing was written "
                 "to the output. Fix the images, or pass allow_empty=True (--allow-empty)"
             )
-        written.finish(src.classes, metadata)
+        samples = len(written.labels)
+        counts = written.finish(src.classes, metadata)
         move_into_place(tmp, output)
     except BaseException:  # KeyboardInterrupt too: never leave a half-built directory
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    labels = written.label_array()
-    counts = np.bincount(labels, minlength=len(src.classes))
     return BuildSummary(
         output,
-        len(labels),
+        samples,
         src.classes,
         tuple(int(c) for c in counts),
         written.bytes,
@@ -260,7 +259,7 @@ _FIX = "Fix or remove it, or pass on_error='skip' (--on-error skip) to leave it 
 
 
 class _Written:
-    """What the build stored so far, compactly: a label and a name per sample, 8 + ~30 bytes.
+    """What the build stored so far, compactly: a label and a name per sample, 16 + ~30 bytes.
 
     Python lists of ints and strings would cost ten times that; with a million
     images the builder's memory would then grow with the dataset.
@@ -269,7 +268,7 @@ class _Written:
     def __init__(self, env: lmdb.Environment) -> None:
         self.env = env
         self.labels = array("q")
-        self.name_ends = array("q")
+        self.name_offsets = array("q", [0])  # Arrow's offsets: where each name starts and ends
         self.names = bytearray()
         self.skipped: list[tuple[str, str]] = []
         self.bytes = 0
@@ -277,23 +276,28 @@ class _Written:
     def add(self, label: int, name: str) -> None:
         self.labels.append(label)
         self.names += name.encode("utf-8", "surrogateescape")
-        self.name_ends.append(len(self.names))
+        self.name_offsets.append(len(self.names))
 
     def label_array(self) -> np.ndarray:
         return np.frombuffer(self.labels, dtype=np.int64) if self.labels else np.zeros(0, np.int64)
 
-    def finish(self, classes: Sequence[str], metadata: dict[str, str]) -> None:
-        """Write the index record, last and alone: without it this is not a ddpkit database."""
-        offsets = array("q", [0])
-        offsets.extend(self.name_ends)
+    def finish(self, classes: Sequence[str], metadata: dict[str, str]) -> np.ndarray:
+        """Write the index record, last and alone; return the count of each class.
+
+        Without the index record this is not a ddpkit database. The packed
+        arrays are viewed by Arrow without a copy and let go once the record
+        is serialised, so the builder's peak holds the record about twice.
+        """
+        labels = self.label_array()
+        counts = np.bincount(labels, minlength=len(classes))
         paths = pa.LargeStringArray.from_buffers(
-            len(self.labels), pa.py_buffer(offsets), pa.py_buffer(self.names)
+            len(labels), pa.py_buffer(self.name_offsets), pa.py_buffer(self.names)
         )
-        index = encode_index(
-            self.label_array(), classes, columns={"path": paths}, metadata=metadata
-        )
+        index = encode_index_buffer(labels, classes, columns={"path": paths}, metadata=metadata)
+        del labels, paths
+        self.labels, self.name_offsets, self.names = array("q"), array("q", [0]), bytearray()
         try:
-            _put_all(self.env, [(INDEX_KEY, index)], append=False)
+            _put_all(self.env, [(INDEX_KEY, memoryview(index))], append=False)
             self.env.sync(True)
         except (lmdb.Error, OSError) as exc:
             if is_no_space(exc):
@@ -301,6 +305,7 @@ class _Written:
             raise
         finally:
             self.env.close()
+        return counts
 
 
 def _write(
@@ -358,7 +363,9 @@ def _write(
     return written
 
 
-def _put_all(env: lmdb.Environment, items: list[tuple[bytes, bytes]], *, append: bool) -> None:
+def _put_all(
+    env: lmdb.Environment, items: Sequence[tuple[bytes, bytes | memoryview]], *, append: bool
+) -> None:
     """Write ``items`` in one transaction, doubling the map until they fit."""
     while True:
         try:

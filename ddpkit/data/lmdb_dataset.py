@@ -26,6 +26,7 @@ from ddpkit.data.lmdb_format import (
     LEGACY_KEYS,
     Identity,
     LMDBFormatError,
+    data_file,
     identity,
     read_index,
     sample_key,
@@ -87,6 +88,7 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         self._targets: list[int] | None = None
         # Which files the index was read from: a file replaced later is refused, not mixed in.
         self._real_paths = [os.path.realpath(p) for p in self.paths]
+        self._data_files = [data_file(p) for p in self.paths]
         self._identities: list[Identity | None] = [None] * len(self.paths)
         self._load_index()
         self._identities = [identity(p) for p in self.paths]
@@ -160,6 +162,7 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
             readahead=self.readahead,
             key=self._real_paths[shard],
             expect=self._identities[shard],
+            data=self._data_files[shard],
         )
 
     def _locate(self, index: int) -> tuple[int, int]:

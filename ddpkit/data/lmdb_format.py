@@ -175,9 +175,12 @@ def _left_behind(path: str) -> str:
 Identity = tuple[int, int, int, int]
 
 
-def identity(path: str | os.PathLike[str]) -> Identity:
-    """What tells one data file from another at the same path: device, inode, size, mtime."""
-    st = os.stat(data_file(path))
+def identity(path: str | os.PathLike[str], data: str | None = None) -> Identity:
+    """What tells one data file from another at the same path: device, inode, size, mtime.
+
+    ``data`` is ``data_file(path)`` when the caller has it (one ``stat`` instead of two).
+    """
+    st = os.stat(data or data_file(path))
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -194,6 +197,7 @@ def shared_env(
     readahead: bool = False,
     key: str | None = None,
     expect: Identity | None = None,
+    data: str | None = None,
 ) -> lmdb.Environment:
     """This process's environment for ``path``, opened on first use.
 
@@ -207,9 +211,10 @@ def shared_env(
         key: ``os.path.realpath(path)``, if the caller has it already.
         expect: the file's :func:`identity` when the caller read its index;
             a different file now is an ``LMDBFormatError``.
+        data: ``data_file(path)``, if the caller has it already.
     """
     key = key or os.path.realpath(path)
-    now = identity(path)
+    now = identity(path, data)
     if expect is not None and now != expect:
         raise LMDBFormatError(
             f"{os.fspath(path)} was replaced (rebuilt or copied over) after this dataset read "
