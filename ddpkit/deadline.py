@@ -58,8 +58,8 @@ class BoundedCalls:
         done: Future[_T] = Future()
         self._jobs.put((fn, args, done))
         left = self.deadline + grace - time.monotonic()
-        try:
-            return done.result(timeout=max(left, 0.0))
+        try:  # threading's wait cannot take more than TIMEOUT_MAX (about 292 years)
+            return done.result(timeout=min(max(left, 0.0), threading.TIMEOUT_MAX))
         except FutureTimeout:
             self._stuck = True
             raise DeadlinePassed(f"{fn!r} did not return by the deadline") from None

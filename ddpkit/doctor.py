@@ -262,11 +262,23 @@ def _check_route(plan: NetworkPlan, source: str) -> Check:
     addrs = plan.interfaces.get(plan.route, [])
     local = f" ({addrs[0]})" if addrs else ""
     origin = "" if source == "--master-addr" else f"; the address comes from {source}"
-    return Check(name, "OK", f"{plan.master_addr} is reached through {plan.route}{local}{origin}")
+    seen = f"{plan.master_addr} is reached through {plan.route}{local}{origin}"
+    loopback = [w for w in plan.warnings if "resolves to a loopback address" in w]
+    if loopback:
+        fix = "use this machine's network address as MASTER_ADDR on every node, or fix /etc/hosts"
+        return Check(name, "WARN", f"{seen}: {loopback[0].split(': fine')[0]}", fix)
+    return Check(name, "OK", seen)
 
 
 def _check_ifname(var: str, plan: NetworkPlan) -> Check:
     setting, routed = plan.setting(var), plan.route
+    if setting is None and plan.route_error is not None:
+        return Check(
+            var,
+            "FAIL",
+            "unset, and the master cannot be routed to: init_distributed cannot choose it",
+            "fix the master address (see the route to master line), or set it to an interface",
+        )
     if setting is None:
         picked = "the interface that routes to MASTER_ADDR"
         return Check(var, "INFO", f"unset (init_distributed sets it to {picked} automatically)")

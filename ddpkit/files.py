@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import os
 import re
 import secrets
@@ -19,9 +20,37 @@ import socket
 import sys
 from pathlib import Path
 
-__all__ = ["exchange", "is_no_space", "no_space", "remove_stale", "temp_path"]
+__all__ = [
+    "exchange",
+    "is_no_space",
+    "is_quota",
+    "no_space",
+    "remove_stale",
+    "rename_new",
+    "temp_path",
+]
 
-_HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+def _host_tag() -> str:
+    """This host's name, plus a digest of its boot and PID namespace.
+
+    Two containers can share a host name (host networking) while their
+    processes live in different PID namespaces: a pid seen dead from one may
+    be a live writer in the other. The digest tells them apart.
+    """
+    name = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+    parts = []
+    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(
+                os.readlink(source) if source.endswith("pid") else Path(source).read_text()
+            )
+        except OSError:
+            parts.append("")
+    return f"{name}.{hashlib.sha256('|'.join(parts).encode()).hexdigest()[:8]}"
+
+
+_HOST = _host_tag()
 _LEFTOVER = re.compile(r"^(?P<target>.+)\.(?:tmp|old)-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -74,6 +103,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def rename_new(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> None:
+    """Rename ``a`` to ``b`` only if nothing is at ``b``, in one step where Linux allows.
+
+    Raises:
+        FileExistsError: something is at ``b`` (it is left as it was).
+    """
+    if _renameat2(a, b, _RENAME_NOREPLACE):
+        return
+    if os.path.lexists(b):  # without renameat2: a short window remains between check and rename
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(b))
+    os.rename(a, b)
+
+
 def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     """Swap two existing paths in one atomic step; False where the system cannot.
 
@@ -82,21 +124,28 @@ def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     systems, and file systems without it (NFS), return False: the caller
     renames in two steps instead.
     """
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+
+
+def _renameat2(a: str | os.PathLike[str], b: str | os.PathLike[str], flags: int) -> bool:
+    """``renameat2(a, b, flags)``: True when done, False where unsupported, else ``OSError``."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):  # glibc before 2.28, musl
         return False
-    at_fdcwd, rename_exchange = -100, 2
-    done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
-    if done == 0:
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) == 0:
         return True
     code = ctypes.get_errno()
     if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
-    raise OSError(code, os.strerror(code), os.fspath(a), None, os.fspath(b))
+    error = FileExistsError if code == errno.EEXIST else OSError
+    raise error(code, os.strerror(code), os.fspath(a), None, os.fspath(b))
 
 
 def is_no_space(exc: BaseException) -> bool:
@@ -107,7 +156,14 @@ def is_no_space(exc: BaseException) -> bool:
     return "no space left" in text or "disk quota exceeded" in text
 
 
-def no_space(path: str | os.PathLike[str], needed: int | None) -> OSError:
+def is_quota(exc: BaseException) -> bool:
+    """Whether ``exc`` means a full quota rather than a full disk."""
+    if isinstance(exc, OSError) and exc.errno == errno.EDQUOT:
+        return True
+    return "quota" in str(exc).lower()
+
+
+def no_space(path: str | os.PathLike[str], needed: int | None, *, quota: bool = False) -> OSError:
     """The ``OSError(ENOSPC)`` for ``path``: the file system, the room needed, the room free."""
     directory = Path(path).parent
     try:
@@ -115,6 +171,13 @@ def no_space(path: str | os.PathLike[str], needed: int | None) -> OSError:
     except OSError:
         free = 0
     need = f"about {_size(needed)} needed, " if needed else ""
+    if quota:
+        return OSError(
+            errno.EDQUOT,
+            f"Disk quota exceeded on {_mount_point(directory)} for {os.fspath(path)}: {need}"
+            "your quota is full (`quota -s` shows it). Free some of it, or write somewhere "
+            "else; the previous file, if any, is unchanged",
+        )
     return OSError(
         errno.ENOSPC,
         f"No space left on {_mount_point(directory)} for {os.fspath(path)}: {need}"

@@ -258,6 +258,12 @@ def resolve_job(
             f"rank {rk} is outside 0..{ws - 1} for world_size={ws}: each node's ranks must "
             "be below the total number of processes"
         )
+    if local_rank is not None and launch is not None and local_rank != launch.local_rank:
+        raise ValueError(
+            f"init_distributed(local_rank={local_rank}) disagrees with {launch.launcher}, which "
+            f"says local_rank={launch.local_rank} ({_variables(launch)}). Drop the argument. "
+            + see("starting-the-job-init_distributed-spawn")
+        )
     if local_rank is None and launch is not None:
         local_rank = launch.local_rank
     if local_rank is not None and local_rank < 0:

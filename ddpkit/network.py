@@ -12,6 +12,7 @@ plan, and ``ddpkit doctor`` prints it.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
@@ -186,6 +187,13 @@ def plan_network(
         except NetworkConfigError as exc:
             route_error = str(exc)
     errors: list[str] = []
+    if route is not None and master and _loopback_route(master, route, interfaces):
+        notes.append(
+            f"{master} resolves to a loopback address on this machine, so the interface that "
+            f"reaches it is {route}: fine for one machine, but ranks on other machines cannot "
+            "reach this one through it. Use this machine's network address (or fix the name "
+            "in /etc/hosts, where Debian maps the host name to 127.0.1.1)"
+        )
     if socket_ifname == "auto":
         if route is not None:
             # NCCL reads a plain value as a prefix ("eth1" would also take eth10); '='
@@ -337,6 +345,18 @@ def _problem(name: str, value: str, interfaces: Mapping[str, list[str]]) -> str 
     if name == "NCCL_DEBUG" and value.strip().upper() not in NCCL_DEBUG_LEVELS:
         return f"not an NCCL debug level ({', '.join(NCCL_DEBUG_LEVELS)})"
     return None
+
+
+def _loopback_route(master: str, route: str, interfaces: Mapping[str, list[str]]) -> bool:
+    """A host name (not a loopback literal) that leads to a loopback interface here."""
+    if master == "localhost" or not any(
+        ipaddress.ip_address(a).is_loopback for a in interfaces.get(route, [])
+    ):
+        return False
+    try:
+        return not ipaddress.ip_address(master).is_loopback
+    except ValueError:  # a host name
+        return True
 
 
 def _master_from(env: Mapping[str, str]) -> str | None:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ddpkit._docs import see
-from ddpkit.files import is_no_space, no_space, remove_stale, temp_path
+from ddpkit.files import is_no_space, is_quota, no_space, remove_stale, temp_path
 
 __all__ = [
     "CheckpointError",
@@ -128,7 +128,7 @@ def replace_atomic(path: Path, write: Callable[[Path], None], needed: int | None
         with contextlib.suppress(OSError):
             tmp.unlink()
         if isinstance(exc, Exception) and _out_of_space(exc, path.parent, needed):
-            raise no_space(path, needed) from exc
+            raise no_space(path, needed, quota=is_quota(exc)) from exc
         raise
     # Make the rename itself durable; some platforms and file systems cannot.
     with contextlib.suppress(OSError):
@@ -141,24 +141,35 @@ def replace_atomic(path: Path, write: Callable[[Path], None], needed: int | None
 
 
 def _out_of_space(exc: Exception, directory: Path, needed: int | None) -> bool:
-    # torch.save reports a short write as "unexpected pos", without the errno.
     if is_no_space(exc):
         return True
+    # torch.save reports a short write as "unexpected pos" or "file write failed",
+    # without the errno: a full disk only if there is less room than the file needs.
+    text = str(exc).lower()
+    if needed is None or not ("unexpected pos" in text or "write failed" in text):
+        return False
     try:
-        free = shutil.disk_usage(directory).free
+        return shutil.disk_usage(directory).free < needed
     except OSError:
         return False
-    return needed is not None and free < needed
 
 
 def payload_bytes(obj: Any) -> int:
-    """Roughly what ``torch.save(obj)`` writes: the tensors' bytes plus a little."""
+    """Roughly what ``torch.save(obj)`` writes: each storage's bytes once, plus a little."""
+    storages: dict[tuple[str, int], int] = {}
+    overhead = _collect_storages(obj, storages)
+    return sum(storages.values()) + overhead
+
+
+def _collect_storages(obj: Any, storages: dict[tuple[str, int], int]) -> int:
     if isinstance(obj, torch.Tensor):
-        return obj.untyped_storage().nbytes()
+        storage = obj.untyped_storage()  # views and tied weights share one: saved once
+        storages[(str(storage.device), storage.data_ptr())] = storage.nbytes()
+        return 0
     if isinstance(obj, dict):
-        return sum(payload_bytes(v) for v in obj.values()) + 64
+        return sum(_collect_storages(v, storages) for v in obj.values()) + 64
     if isinstance(obj, list | tuple | set):
-        return sum(payload_bytes(v) for v in obj) + 64
+        return sum(_collect_storages(v, storages) for v in obj) + 64
     return 64
 
 
@@ -267,7 +278,7 @@ def _check_records(path: str | os.PathLike[str]) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
-    except (zipfile.BadZipFile, EOFError, OSError) as exc:
+    except Exception as exc:  # BadZipFile, zlib.error, EOFError, OSError ...: all damage
         raise _damaged(path, exc) from exc
     if bad is not None:
         raise CheckpointError(

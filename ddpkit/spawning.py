@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from ddpkit.devices import resolve_backend
 from ddpkit.dist import join_job
-from ddpkit.job import DistInfo, as_timeout, check_count, resolve_job
-from ddpkit.launchers import LaunchEnv, MasterEndpoint, master_endpoint
+from ddpkit.job import DistInfo, JobPlan, as_timeout, check_count, resolve_job
+from ddpkit.launchers import LaunchEnv, MasterEndpoint, master_endpoint, parse_port
 from ddpkit.processes import run_processes
 
 __all__ = ["spawn"]
@@ -144,6 +144,7 @@ def spawn(
         timeout=timeout,
     )
     try:
+        _plan(job, 0)  # a bad init method or MASTER_PORT: said once, here, not by every child
         return run_processes(
             _child,
             nprocs,
@@ -157,19 +158,7 @@ def spawn(
 
 
 def _child(local_rank: int, job: _Job) -> Any:
-    launch = LaunchEnv(
-        launcher="spawn",
-        rank=job.node_rank * job.nprocs + local_rank,
-        local_rank=local_rank,
-        world_size=job.nnodes * job.nprocs,
-        local_world_size=job.nprocs,
-        node_rank=job.node_rank,
-        master_addr=job.endpoint.addr,
-        master_port=int(job.endpoint.port) if job.endpoint.port else None,
-        store_is_external=job.store_is_external,
-    )
-    plan = resolve_job(job.init_method, launch=launch, endpoint=job.endpoint)
-    assert plan is not None  # a launcher is given
+    launch, plan = _plan(job, local_rank)
     # What a torchrun worker sees, for code that reads it; ddpkit itself does not.
     os.environ.update(
         {
@@ -190,3 +179,22 @@ def _child(local_rank: int, job: _Job) -> Any:
     )
     # The process group is destroyed by run_processes once the outcome is reported.
     return job.fn(info, *job.args)
+
+
+def _plan(job: _Job, local_rank: int) -> tuple[LaunchEnv, JobPlan]:
+    """The launcher's view of the child with ``local_rank``, and its resolved job."""
+    port = job.endpoint.port
+    launch = LaunchEnv(
+        launcher="spawn",
+        rank=job.node_rank * job.nprocs + local_rank,
+        local_rank=local_rank,
+        world_size=job.nnodes * job.nprocs,
+        local_world_size=job.nprocs,
+        node_rank=job.node_rank,
+        master_addr=job.endpoint.addr,
+        master_port=parse_port(port, "MASTER_PORT") if port else None,
+        store_is_external=job.store_is_external,
+    )
+    plan = resolve_job(job.init_method, launch=launch, endpoint=job.endpoint)
+    assert plan is not None  # a launcher is given
+    return launch, plan

@@ -9,12 +9,13 @@ removed once a later build into the same place has finished.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
 
 from ddpkit.data.lmdb_format import is_lmdb
-from ddpkit.files import exchange, remove_stale, temp_path
+from ddpkit.files import exchange, remove_stale, rename_new, temp_path
 
 __all__ = ["check_output", "move_into_place", "temp_output"]
 
@@ -80,18 +81,30 @@ def temp_output(output: str) -> str:
     return os.fspath(temp_path(output))
 
 
-def move_into_place(tmp: str, output: str) -> None:
+def move_into_place(tmp: str, source: str, output: str, overwrite: bool) -> None:
     """Give the finished database at ``tmp`` the name ``output``, replacing an old one.
 
-    An old database is swapped out atomically (Linux) and then deleted; where
-    the swap is not available, two renames leave a window in which
-    ``output`` is missing, and ``open_env`` then says where the databases are.
-    Leftovers of killed builds of ``output`` on this host are removed last.
+    The output is checked again first: a build can take hours, and what is
+    at ``output`` now need not be what was there when it started (another
+    rank's build, a file the user put there). An old database is swapped out
+    atomically (Linux), checked once more, and deleted; where the swap is not
+    available, two renames leave a window in which ``output`` is missing, and
+    ``open_env`` then says where the databases are. Removing the old database
+    and the leftovers of killed builds is best-effort: the new one is in place.
+
+    Raises:
+        FileExistsError: something that is not to be replaced appeared at
+            ``output`` during the build; ``output`` is left as it is.
     """
+    check_output(source, output, overwrite)
     if not os.path.lexists(output):
-        os.rename(tmp, output)
+        rename_new(tmp, output)  # FileExistsError if something appears at the last moment
     elif exchange(tmp, output):
-        shutil.rmtree(tmp)  # the old database, now under the temporary name
+        if not _only_lmdb(tmp):  # swapped out something that is not a database: put it back
+            exchange(tmp, output)
+            raise FileExistsError(f"{output} changed during the build and is not an LMDB "
+                                  "database now; it is left as it is")  # fmt: skip
+        shutil.rmtree(tmp, ignore_errors=True)  # the old database, under the temporary name
     else:
         aside = os.fspath(temp_path(output, "old"))
         os.rename(output, aside)
@@ -100,5 +113,15 @@ def move_into_place(tmp: str, output: str) -> None:
         except BaseException:
             os.rename(aside, output)
             raise
-        shutil.rmtree(aside)
-    remove_stale(output)
+        shutil.rmtree(aside, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        remove_stale(output)
+
+
+def _only_lmdb(path: str) -> bool:
+    return (
+        os.path.isdir(path)
+        and not os.path.islink(path)
+        and is_lmdb(path)
+        and set(os.listdir(path)) <= _LMDB_FILES
+    )

@@ -65,8 +65,12 @@ def decode_pil(raw: Buffer) -> Image.Image:
     """
     if _kind(raw) == "png":
         check_png(raw)
-    image: Image.Image = Image.open(io.BytesIO(raw))
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit grayscale: scale, don't clip
+    return _rgb(Image.open(io.BytesIO(raw)))
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    """An 8-bit RGB copy of ``image``: 16-bit gray scaled (not clipped), alpha dropped."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
         gray = np.asarray(image, dtype=np.float64) / 257.0
         image = Image.fromarray(np.rint(gray).clip(0, 255).astype(np.uint8))
     # As torchvision's ImageFolder loader does: alpha is dropped, not composited,
@@ -210,6 +214,8 @@ def prepare_image(
     if max_side is None:
         return bytes(data), ""
     try:
+        if _kind(data) == "png":  # shrinking decodes it: Pillow would pad a short one silently
+            check_png(data)
         with Image.open(io.BytesIO(data)) as image:  # reads the header only
             if max(image.size) <= max_side:
                 return bytes(data), ""
@@ -222,8 +228,8 @@ def prepare_image(
 
 def _shrink(image: Image.Image, max_side: int, quality: int) -> bytes:
     if image.mode not in ("RGB", "L"):
-        image = image.convert("RGB")  # palette, alpha, CMYK ...: resample in RGB
-    # thumbnail() keeps the aspect, lets a JPEG decode at a reduced scale first, then Lanczos.
+        image = _rgb(image)  # palette, alpha, CMYK, 16-bit ...: as the dataset sees it
+    # thumbnail() keeps the aspect; a JPEG decodes at a reduced scale first, then Lanczos.
     image.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
     out = io.BytesIO()
     image.convert("RGB").save(out, format="JPEG", quality=quality)

@@ -36,7 +36,7 @@ from ddpkit.data.lmdb_sources import (
 )
 from ddpkit.data.threads import ordered_map
 from ddpkit.devices import usable_cpus
-from ddpkit.files import is_no_space, no_space
+from ddpkit.files import is_no_space, is_quota, no_space
 
 __all__ = ["BuildSummary", "ImageError", "build_lmdb"]
 
@@ -158,7 +158,8 @@ def build_lmdb(
         >>> summary = build_lmdb("data/train", "data/train.lmdb", max_side=512)  # doctest: +SKIP
         >>> print(summary.format())  # doctest: +SKIP
     """
-    source, output = os.fspath(source), os.fspath(output)
+    # "db/" and "db" are one output: a trailing separator must not hide a link.
+    source, output = os.fspath(source), _strip_separators(os.fspath(output))
     workers = usable_cpus() if workers is None else workers
     _check_choice("source_format", source_format, ("auto", "imagefolder", "list", "parquet"))
     _check_choice("check", check, ("none", "header", "decode"))
@@ -214,7 +215,7 @@ def build_lmdb(
             )
         samples = len(written.labels)
         counts = written.finish(src.classes, metadata)
-        move_into_place(tmp, output)
+        move_into_place(tmp, source, output, overwrite)
     except BaseException:  # KeyboardInterrupt too: never leave a half-built directory
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -227,6 +228,11 @@ def build_lmdb(
         time.perf_counter() - start,
         (*src.problems, *written.skipped),
     )
+
+
+def _strip_separators(path: str) -> str:
+    stripped = path.rstrip("/" + os.sep)
+    return stripped or path[:1]
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -301,7 +307,8 @@ class _Written:
             self.env.sync(True)
         except (lmdb.Error, OSError) as exc:
             if is_no_space(exc):
-                raise no_space(self.env.path(), self.bytes + len(index)) from exc
+                needed = self.bytes + len(index)
+                raise no_space(self.env.path(), needed, quota=is_quota(exc)) from exc
             raise
         finally:
             self.env.close()
@@ -318,10 +325,12 @@ def _write(
     progress: bool,
 ) -> _Written:
     # No fsync per commit: an unfinished build is thrown away, so only the end must be durable.
+    # No lock file: one writer owns the directory, and a lock map on a full tmpfs can SIGBUS.
     env = lmdb.open(
         tmp,
         subdir=True,
         map_size=map_size,
+        lock=False,
         readahead=False,
         meminit=False,
         sync=False,
@@ -358,7 +367,7 @@ def _write(
             # What the whole build would need, from what the images read so far took.
             done = len(written.labels) + len(written.skipped) + len(batch)
             needed = (written.bytes + batch_bytes) * src.total // max(done, 1)
-            raise no_space(tmp, needed) from exc
+            raise no_space(tmp, needed, quota=is_quota(exc)) from exc
         raise
     return written
 

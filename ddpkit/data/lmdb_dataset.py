@@ -90,8 +90,15 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         self._real_paths = [os.path.realpath(p) for p in self.paths]
         self._data_files = [data_file(p) for p in self.paths]
         self._identities: list[Identity | None] = [None] * len(self.paths)
+        before = [_identity_or_none(p) for p in self.paths]
         self._load_index()
         self._identities = [identity(p) for p in self.paths]
+        if before != self._identities:  # replaced while its index was read: which one is unknown
+            raise LMDBFormatError(
+                f"{self.paths[0] if len(self.paths) == 1 else list(self.paths)} was replaced "
+                "while its index was read (a build with --overwrite finishing?); create the "
+                "dataset again"
+            )
 
     def _load_index(self) -> None:
         indexes = [read_index(p) for p in self.paths]
@@ -308,6 +315,13 @@ def _legacy_loads(value: bytes, path: str) -> Any:
             f"{path}: a record is not a readable pickle ({type(exc).__name__}: {exc}): the "
             "database is damaged, or not a folder2lmdb one. Rebuild it with `ddpkit lmdb build`."
         ) from exc
+
+
+def _identity_or_none(path: str) -> Identity | None:
+    try:
+        return identity(path)
+    except OSError:  # missing: read_index says so, with the fix
+        return None
 
 
 def _preview(classes: Sequence[str]) -> str:

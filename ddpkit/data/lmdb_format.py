@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -164,12 +165,27 @@ def _left_behind(path: str) -> str:
     for entry in entries:
         if entry.startswith((f"{name}.tmp-", f"{name}.old-")):
             candidate = os.path.join(parent, entry)
-            if os.path.isdir(candidate) and is_lmdb(candidate):
+            if os.path.isdir(candidate) and _complete(candidate):
                 return (
                     f"An interrupted `ddpkit lmdb build --overwrite` left a database at "
                     f"{candidate}: move it back (`mv {candidate} {path}`) or build again."
                 )
     return f"Build one with `ddpkit lmdb build SOURCE {path}`."
+
+
+def _complete(path: str) -> bool:
+    """A whole database (its index record written last is there), not a build cut short."""
+    try:
+        env = open_env(path)
+    except (OSError, LMDBFormatError):
+        return False
+    try:
+        with env.begin(buffers=True) as txn:
+            return txn.get(INDEX_KEY) is not None
+    except lmdb.Error:
+        return False
+    finally:
+        env.close()
 
 
 Identity = tuple[int, int, int, int]
@@ -189,6 +205,7 @@ def identity(path: str | os.PathLike[str], data: str | None = None) -> Identity:
 # are (pid, identity, env): one inherited through fork(), or whose file was
 # replaced (a rebuild with --overwrite), is closed and opened again.
 _SHARED: dict[str, tuple[int, Identity, lmdb.Environment]] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 def shared_env(
@@ -199,7 +216,7 @@ def shared_env(
     expect: Identity | None = None,
     data: str | None = None,
 ) -> lmdb.Environment:
-    """This process's environment for ``path``, opened on first use.
+    """This process's environment for ``path``, opened on first use; safe from any thread.
 
     After ``fork()`` the parent's environment must not be used (LMDB's rule)
     and still blocks a new open of the same path (py-lmdb's rule): it is
@@ -221,28 +238,32 @@ def shared_env(
             "its index; create the dataset again to read the new database"
         )
     entry = _SHARED.get(key)
-    if entry is not None:
-        pid, known, env = entry
-        if pid == os.getpid() and known == now:
-            return env
-        env.close()  # inherited through fork, or its file was replaced
-        del _SHARED[key]
-    env = open_env(path, readahead=readahead)
-    _SHARED[key] = (os.getpid(), now, env)
-    return env
+    if entry is not None and entry[0] == os.getpid() and entry[1] == now:
+        return entry[2]  # the common case, without the lock
+    with _SHARED_LOCK:  # threads reading first at once must not open the file twice
+        entry = _SHARED.get(key)
+        if entry is not None:
+            pid, known, env = entry
+            if pid == os.getpid() and known == now:
+                return env
+            env.close()  # inherited through fork, or its file was replaced
+            del _SHARED[key]
+        env = open_env(path, readahead=readahead)
+        _SHARED[key] = (os.getpid(), now, env)
+        return env
 
 
 @contextmanager
 def env_for_reading(path: str | os.PathLike[str]) -> Iterator[lmdb.Environment]:
-    """The shared environment if this process has one for this very file, else a short-lived one."""
+    """The shared environment if this process has one for this path, else a short-lived one.
+
+    An environment inherited through ``fork``, or one whose file was replaced,
+    still blocks a new open of the path: it is closed and the shared one
+    reopened.
+    """
     key = os.path.realpath(path)
-    entry = _SHARED.get(key)
-    if entry is not None and entry[0] == os.getpid():
-        if entry[1] == identity(path):
-            yield entry[2]
-            return
-        shared_env(path, key=key)  # the file was replaced: reopen (py-lmdb allows one open)
-        yield _SHARED[key][2]
+    if key in _SHARED:
+        yield shared_env(path, key=key)
         return
     env = open_env(path)
     try:

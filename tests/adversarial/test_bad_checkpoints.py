@@ -134,3 +134,38 @@ def test_leftovers_of_killed_saves_are_removed_by_the_next_save(tmp_path: Path) 
     keep = snapshot(tmp_path)
     save_checkpoint(_state(), path)  # a second save finds nothing more to remove
     assert snapshot(tmp_path).keys() == keep.keys()
+
+
+def test_a_damaged_compression_field_is_a_checkpoint_error(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager.save(0, model, optimizer)
+    manager.save(1, model, optimizer)
+    latest = tmp_path / "latest.pth"
+    data = bytearray(latest.read_bytes())
+    central = data.index(b"PK\x01\x02")  # the first central directory entry
+    struct.pack_into("<H", data, central + 10, 8)  # says deflate; the data are stored
+    latest.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="damaged"):
+        load_checkpoint(latest)
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        assert CheckpointManager(tmp_path).resume(model, optimizer) == 1
+
+
+def test_other_failures_are_not_called_a_full_disk(tmp_path: Path) -> None:
+    from ddpkit.serialization import replace_atomic
+
+    def refused(tmp: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(tmp))
+
+    with pytest.raises(PermissionError):
+        replace_atomic(tmp_path / "ckpt.pth", refused, needed=10**15)
+
+
+def test_shared_storages_count_once_in_the_room_a_save_needs() -> None:
+    from ddpkit.serialization import payload_bytes
+
+    weight = torch.zeros(1000)
+    views = {f"v{i}": weight[i : i + 1] for i in range(100)}
+    assert payload_bytes({"a": weight, "tied": weight, **views}) < 2 * weight.nbytes

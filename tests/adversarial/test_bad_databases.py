@@ -254,3 +254,72 @@ def test_old_pickles_of_every_protocol_are_read_by_from_legacy(tmp_path: Path) -
     env.close()
     dataset = LazyLMDBDataset.from_legacy(db, allow_pickle=True, decode="bytes")
     assert [dataset[i][1] for i in range(2)] == [0, 1]
+
+
+def _read_after_fork(rank: int, world_size: int, path: str) -> list[int]:
+    import os
+
+    parent = LazyLMDBDataset(path, decode="bytes")
+    parent[0]  # the parent holds the database open
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a child that builds its own dataset, as a lazy DataLoader worker does
+        try:
+            child = LazyLMDBDataset(path, decode="bytes")
+            os.write(write, str(len(child[3][0])).encode())
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(write)
+    return [int(os.read(read, 100) or b"-1"), len(parent[3][0])]
+
+
+def test_a_forked_child_opens_what_its_parent_holds(database: Path) -> None:
+    sizes = run_distributed(_read_after_fork, 1, args=(str(database),), init=None, timeout=120)[0]
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_many_threads_reading_first_at_once(database: Path) -> None:
+    import threading
+
+    from ddpkit.data import lmdb_format
+
+    for key in [k for k in lmdb_format._SHARED if "db" in k]:  # a fresh start in this process
+        lmdb_format._SHARED.pop(key)[2].close()
+    dataset = LazyLMDBDataset(database, decode="bytes")
+    barrier, errors = threading.Barrier(8), []
+
+    def first_read(i: int) -> None:
+        barrier.wait()
+        try:
+            dataset[i]
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first_read, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_a_database_replaced_while_its_index_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ddpkit.data.lmdb_dataset as dataset_module
+
+    small, big = tmp_path / "small", tmp_path / "big"
+    build_lmdb(image_tree(tmp_path / "a", per_class=1), small, progress=False)
+    build_lmdb(image_tree(tmp_path / "b", per_class=3), big, progress=False)
+    read = dataset_module.read_index
+
+    def swap_after_reading(path: object, **kwargs: object) -> object:
+        index = read(path, **kwargs)  # type: ignore[arg-type]
+        shutil.rmtree(small)
+        shutil.copytree(big, small)  # a build with --overwrite lands now
+        return index
+
+    monkeypatch.setattr(dataset_module, "read_index", swap_after_reading)
+    with pytest.raises(LMDBFormatError, match="was replaced while its index was read"):
+        LazyLMDBDataset(small)

@@ -174,3 +174,21 @@ def test_a_sixteen_bit_png_is_scaled_not_clipped() -> None:
     tensor = decode_tensor(buffer.getvalue())
     expected = np.rint(levels / 257.0).astype(np.uint8)
     assert np.array_equal(tensor[0].numpy(), expected)
+
+
+def test_shrinking_neither_hides_a_short_png_nor_whitens_sixteen_bits() -> None:
+    import numpy as np
+    from PIL import Image
+
+    from ddpkit.data.images import prepare_image
+
+    data, reason = prepare_image(short_png(rows=10, height=96, width=80), "header", 32, 90)
+    assert data is None
+    assert "truncated" in reason
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((96, 80), 32768, dtype=np.uint16)).save(buffer, "PNG")
+    shrunk, reason = prepare_image(buffer.getvalue(), "header", 32, 90)
+    assert reason == ""
+    assert shrunk is not None
+    mean = float(decode_tensor(shrunk).float().mean())
+    assert abs(mean - 128) < 3  # 32768 / 257, as decode_tensor of the original gives

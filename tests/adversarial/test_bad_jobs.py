@@ -341,3 +341,39 @@ def test_rank_zero_with_a_larger_world_size_is_named_at_once() -> None:
         assert "rank 0 has world_size=3" in message
         assert "was started with world_size=2" in message
         assert elapsed < 30  # not the 60 s rendezvous timeout
+
+
+def test_a_very_long_timeout_does_not_break_a_healthy_call() -> None:
+    from ddpkit.deadline import BoundedCalls
+
+    calls = BoundedCalls(time.monotonic() + 1e12)
+    assert calls(lambda: "ok") == "ok"
+    calls.close()
+
+
+def test_spawn_names_a_bad_master_port_once_in_the_parent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500x")
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="MASTER_PORT='29500x' is not a port number"):
+        ddpkit.spawn(print, 2, init_method="env://")
+
+
+def test_a_local_rank_that_contradicts_the_launcher_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"local_rank=0\) disagrees with torchrun"):
+        init_distributed("tcp://127.0.0.1:1", local_rank=0)
+
+
+def test_a_host_name_that_resolves_to_loopback_is_warned_about() -> None:
+    from ddpkit.network import _loopback_route
+
+    interfaces = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.0.0.2"]}
+    assert _loopback_route("gpu-node-1", "lo", interfaces)  # /etc/hosts: 127.0.1.1 gpu-node-1
+    assert not _loopback_route("localhost", "lo", interfaces)
+    assert not _loopback_route("127.0.0.1", "lo", interfaces)
+    assert not _loopback_route("gpu-node-1", "eth0", interfaces)

@@ -180,3 +180,54 @@ def test_the_swap_into_place_is_one_step_where_linux_allows(tmp_path: Path) -> N
     with pytest.raises(FileNotFoundError):
         exchange(a, tmp_path / "missing")  # both must exist; nothing moves
     assert (a / "which").read_text() == "b"
+
+
+def test_what_appears_at_the_output_during_a_build_is_not_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ddpkit.data.lmdb_build as builder
+
+    tree = image_tree(tmp_path / "imgs")
+    output = tmp_path / "race.lmdb"
+    finish = builder._Written.finish
+
+    def meanwhile(self: object, *args: object) -> object:
+        output.mkdir()  # another rank's build, or the user, got there first
+        (output / "precious.txt").write_text("keep me")
+        return finish(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(builder._Written, "finish", meanwhile)
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError):
+            build_lmdb(tree, output, overwrite=overwrite, progress=False)
+        assert (output / "precious.txt").read_text() == "keep me"
+        assert sorted(p.name for p in output.iterdir()) == ["precious.txt"]
+        assert list(tmp_path.glob("race.lmdb.*")) == []
+        (output / "precious.txt").unlink()
+        output.rmdir()
+
+
+def test_a_trailing_separator_does_not_hide_a_link(tmp_path: Path) -> None:
+    tree = image_tree(tmp_path / "imgs")
+    db = tmp_path / "db"
+    build_lmdb(tree, db, progress=False)
+    link = tmp_path / "link.lmdb"
+    link.symlink_to(db)
+    with pytest.raises(FileExistsError, match="symbolic link"):
+        build_lmdb(tree, f"{link}/", overwrite=True, progress=False)
+    assert link.is_symlink()
+
+
+def test_an_unfinished_build_is_not_offered_as_the_database(tmp_path: Path) -> None:
+    import lmdb
+
+    db = tmp_path / "db"
+    partial = leftover_name(db, "tmp", dead_pid())
+    env = lmdb.open(str(partial), map_size=1 << 20)
+    with env.begin(write=True) as txn:  # records, but no index: a build cut short
+        txn.put(b"\0" * 8, b"x")
+    env.close()
+    with pytest.raises(FileNotFoundError) as info:
+        open_env(db)
+    assert "left a database" not in str(info.value)
+    assert "Build one with" in str(info.value)
