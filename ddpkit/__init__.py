@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         get_world_size,
         is_main_process,
     )
+    from ddpkit.control import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE, Preempted
     from ddpkit.data import (
         IMAGENET_MEAN,
         IMAGENET_STD,
@@ -40,18 +41,21 @@ if TYPE_CHECKING:
         val_transform,
     )
     from ddpkit.dist import init_distributed, shutdown
+    from ddpkit.evaluation import evaluate
     from ddpkit.job import DistInfo
     from ddpkit.losses import FocalLoss
     from ddpkit.models import PretrainedReport, freeze_backbone, load_pretrained
     from ddpkit.network import NetworkConfigError, NetworkPlan, configure_network, plan_network
     from ddpkit.parallel import no_sync, unwrap_model, wrap_ddp
+    from ddpkit.position import Position
     from ddpkit.processes import RankFailedError
     from ddpkit.rank0 import Rank0Error, rank0_first, rank0_only
     from ddpkit.rendezvous import RendezvousError
     from ddpkit.reporting import ReportConfig
     from ddpkit.serialization import CheckpointError, load_checkpoint, save_checkpoint
     from ddpkit.spawning import spawn
-    from ddpkit.train import History, TrainConfig, TrainingError, evaluate, fit
+    from ddpkit.steps import TrainConfig, TrainingError
+    from ddpkit.train import FaultConfig, History, fit
 
 # Public name -> the module that defines it.
 _EXPORTS = {
@@ -63,6 +67,9 @@ _EXPORTS = {
     "get_rank": "ddpkit.comm",
     "get_world_size": "ddpkit.comm",
     "is_main_process": "ddpkit.comm",
+    "HANG_EXIT_CODE": "ddpkit.control",
+    "PREEMPTED_EXIT_CODE": "ddpkit.control",
+    "Preempted": "ddpkit.control",
     "BuildSummary": "ddpkit.data",
     "DistributedEvalSampler": "ddpkit.data",
     "IMAGENET_MEAN": "ddpkit.data",
@@ -100,10 +107,12 @@ _EXPORTS = {
     "load_checkpoint": "ddpkit.serialization",
     "save_checkpoint": "ddpkit.serialization",
     "spawn": "ddpkit.spawning",
+    "evaluate": "ddpkit.evaluation",
+    "Position": "ddpkit.position",
+    "TrainConfig": "ddpkit.steps",
+    "TrainingError": "ddpkit.steps",
+    "FaultConfig": "ddpkit.train",
     "History": "ddpkit.train",
-    "TrainConfig": "ddpkit.train",
-    "TrainingError": "ddpkit.train",
-    "evaluate": "ddpkit.train",
     "fit": "ddpkit.train",
 }
 
@@ -125,13 +134,16 @@ _DEPRECATED = {
 }
 
 __all__ = [
+    "HANG_EXIT_CODE",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
+    "PREEMPTED_EXIT_CODE",
     "BuildSummary",
     "CheckpointError",
     "CheckpointManager",
     "DistInfo",
     "DistributedEvalSampler",
+    "FaultConfig",
     "FocalLoss",
     "History",
     "ImageError",
@@ -139,6 +151,8 @@ __all__ = [
     "LazyLMDBDataset",
     "NetworkConfigError",
     "NetworkPlan",
+    "Position",
+    "Preempted",
     "PretrainedReport",
     "Rank0Error",
     "RankFailedError",

@@ -1,9 +1,12 @@
 """``CheckpointManager``: the files of one training run, and the one place that names them.
 
-Epoch checkpoints (``latest.pth`` / ``previous.pth``), per-epoch weight files,
-``best.pth`` and ``interrupted.pth``: written by rank 0 through the atomic,
-``weights_only``-safe files of ``ddpkit.serialization``, with every rank's RNG
-state (``ddpkit.rng``), and resumed from the newest loadable one.
+Epoch checkpoints (``latest.pth`` / ``previous.pth``), step checkpoints
+(``step-<n>.pth``), ``interrupted.pth`` (written when a signal stops the job),
+per-epoch weight files and ``best.pth``: written atomically and
+``weights_only``-safe (``ddpkit.serialization``), in a background thread after
+a snapshot to host memory (``ddpkit.snapshot``), with every rank's RNG state.
+Resume takes the newest complete checkpoint that any node holds and sends it
+to the ranks that lack it (``ddpkit.transfer``): no shared disk is needed.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import functools
 import logging
 import math
 import os
-import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,28 +23,38 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit._docs import see
-from ddpkit.comm import all_gather_object, get_rank, get_world_size
+from ddpkit.checkpoint_files import (
+    FORMAT,
+    INTERRUPTED,
+    LATEST,
+    VERSION,
+    step_name,
+    write_files,
+)
+from ddpkit.checkpoint_sync import (
+    describe_error,
+    load_newest,
+    next_generation,
+    raise_earlier_failure,
+    restore_state,
+    share_outcome,
+)
+from ddpkit.comm import all_gather_object, get_local_rank, get_rank, get_world_size
 from ddpkit.parallel import unwrap_model
-from ddpkit.rank0 import Rank0Error, rank0_first, rank0_only
-from ddpkit.rng import capture_rng_state, restore_rng_state
+from ddpkit.position import Position
+from ddpkit.rank0 import Rank0Error, rank0_first
+from ddpkit.rng import capture_rng_state
 from ddpkit.serialization import (
-    CheckpointError,
     MapLocation,
     check_saveable,
-    link_or_copy,
-    load_checkpoint,
-    payload_bytes,
-    replace_atomic,
-    save_checkpoint,
-    write_file,
 )
+from ddpkit.snapshot import BackgroundWriter, snapshot
+from ddpkit.transfer import broadcast_state
 
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger("ddpkit")
 
-_FORMAT, _VERSION = "ddpkit-checkpoint", 1
 # Former names, importable from here for one more release.
 _DEPRECATED = {
     "RankZeroError": ("ddpkit.Rank0Error", Rank0Error),
@@ -65,43 +77,49 @@ def __getattr__(name: str) -> Any:
 class CheckpointManager:
     """Save and resume one training run's checkpoints in ``directory``.
 
-    The files, all loadable with ``torch.load(weights_only=True)``:
+    The files, all loadable with ``torch.load(weights_only=True)`` (their
+    keys are listed in docs/training.md): ``latest.pth`` (the full state after
+    the last saved epoch) and ``previous.pth`` (the one before);
+    ``step-<n>.pth``, the same full state after optimizer step ``n`` in the
+    middle of an epoch (the ``keep_steps`` newest stay); ``interrupted.pth``,
+    written when a signal stopped the job (removed once a later checkpoint
+    exists); ``{prefix}-epoch{N}-acc{acc1:.2f}.pth``, the weights alone, as
+    classic scripts write them (the last ``keep_last`` and the best); and
+    ``best.pth``, a hard link to (or copy of) the best epoch's weights.
 
-    - ``latest.pth``: the full state after the last saved epoch: ``format``,
-      ``version``, ``epoch``, ``acc1``, ``loss``, ``lr``, ``model`` (unwrapped
-      from DDP and torch.compile), ``optimizer``, ``scheduler``, ``scaler``,
-      ``world_size``, ``rng`` (one state per rank), ``metrics``, ``extra``,
-      ``best_acc1`` and ``best_epoch``.
-    - ``previous.pth``: the full state saved before that. Each save renames
-      ``latest.pth`` to it (unless :meth:`resume` found ``latest.pth`` damaged),
-      so a damaged ``latest.pth`` costs an epoch, not the run.
-    - ``{prefix}-epoch{N}-acc{acc1:.2f}.pth``: the model's weights alone, as
-      classic training scripts write them: the last ``keep_last`` epochs, plus
-      the best. Files of later epochs (left by an earlier run) are left alone.
-    - ``best.pth``: the weights of the epoch with the highest ``metrics["acc1"]``,
-      a hard link to that epoch's file where the file system allows, else a copy.
-    - ``interrupted.pth``: the model and optimizer when training stopped in the
-      middle of an epoch (Ctrl-C): :meth:`save_interrupted`, rank 0 only.
+    Rank 0 writes them; with ``on_each_node`` the first rank of every node
+    writes its own copy too, so a lost disk loses nothing. The directory may
+    differ between nodes: :meth:`resume` finds the newest complete checkpoint
+    any rank holds and sends it over the process group to those that lack it.
+    A run started afresh (not resumed) in a directory gets a new generation,
+    so its checkpoints always outrank an older run's there.
 
-    :meth:`save` and :meth:`resume` are collectives: all ranks must call them,
-    or they deadlock. Rank 0 writes; every rank reads in :meth:`resume`, so
-    ``directory`` must be on a file system all nodes share (resume checks that
-    the ranks found the same checkpoint). With plain DDP every rank holds the
-    same model and optimizer state; sharded optimizers are not supported.
+    :meth:`save`, :meth:`save_step` and :meth:`resume` are collectives: all
+    ranks must call them, or they deadlock. With plain DDP every rank holds
+    the same model and optimizer state; sharded optimizers are not supported.
 
     Args:
         directory: where the files go; created by the first save.
         prefix: the start of the per-epoch weight files' names.
         keep_last: how many per-epoch weight files to keep, at least 1.
+        keep_steps: how many step checkpoints to keep, at least 1.
+        every_steps: ``ddpkit.fit`` saves a step checkpoint every this many
+            optimizer steps; None: only at epoch ends.
+        every_minutes: ``ddpkit.fit`` also saves when this many minutes passed
+            since the last save; None: never by time.
+        on_each_node: the first rank of each node writes its own copy.
         network: the former name of ``prefix`` (deprecated).
 
     Attributes:
         best_acc1: the best ``acc1`` saved so far (restored by :meth:`resume`), or None.
+        position: where the resumed checkpoint stood (:meth:`resume`), or None.
+        resumed_from: the file :meth:`resume` loaded (on the rank that read it), or None.
+        loop: what the training loop stored with the resumed checkpoint, one entry per rank.
         latest_path: ``directory / "latest.pth"``.
         interrupted_path: ``directory / "interrupted.pth"``.
 
     Example:
-        >>> manager = CheckpointManager("runs/exp1", prefix="seresnext50", keep_last=3)
+        >>> manager = CheckpointManager("runs/exp1", prefix="seresnext50", every_steps=500)
         >>> start = manager.resume(model, optimizer, scheduler)
         >>> for epoch in range(start, epochs):
         ...     train_one_epoch(...)
@@ -114,6 +132,10 @@ class CheckpointManager:
         *,
         prefix: str = "model",
         keep_last: int = 3,
+        keep_steps: int = 2,
+        every_steps: int | None = None,
+        every_minutes: float | None = None,
+        on_each_node: bool = False,
         network: str | None = None,
     ):
         if network is not None:
@@ -124,19 +146,42 @@ class CheckpointManager:
                 stacklevel=2,
             )
             prefix = network
-        if keep_last < 1:
-            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        for name, count in (("keep_last", keep_last), ("keep_steps", keep_steps),
+                            ("every_steps", every_steps)):  # fmt: skip
+            if count is not None and (type(count) is not int or count < 1):
+                raise ValueError(f"{name} must be at least 1, got {count!r}")
+        if every_minutes is not None and not (
+            type(every_minutes) in (int, float) and 0 < every_minutes < math.inf
+        ):
+            raise ValueError(f"every_minutes must be > 0 or None, got {every_minutes!r}")
         if not prefix or "/" in prefix or os.sep in prefix:
             raise ValueError(f"prefix must be a file name prefix without '/', got {prefix!r}")
         self.directory = Path(directory)
-        self.prefix, self.keep_last = prefix, keep_last
-        self.latest_path = self.directory / "latest.pth"
-        self.interrupted_path = self.directory / "interrupted.pth"
-        self._previous_path = self.directory / "previous.pth"
+        self.prefix, self.keep_last, self.keep_steps = prefix, keep_last, keep_steps
+        self.every_steps, self.every_minutes = every_steps, every_minutes
+        self.on_each_node = on_each_node
+        self.latest_path = self.directory / LATEST
+        self.interrupted_path = self.directory / INTERRUPTED
         self.best_acc1: float | None = None
         self._best_epoch: int | None = None
+        self.position: Position | None = None
+        self.resumed_from: Path | None = None
+        self.loop: list[Any] | None = None
+        self._generation: int | None = None
+        self._step = 0
         self._latest_damaged = False
-        self._epoch_file = re.compile(rf"{re.escape(prefix)}-epoch(\d+)-acc.*\.pth")
+        self._writer = BackgroundWriter()
+        # The host copy of the last background save, written into by the next one.
+        self._spare: Any = None
+
+    def step_due(self, step: int) -> bool:
+        """Whether ``every_steps`` asks for a step checkpoint after optimizer step ``step``."""
+        return self.every_steps is not None and step > 0 and step % self.every_steps == 0
+
+    @property
+    def write_error(self) -> BaseException | None:
+        """The error of a background write that failed on this rank, until it is raised."""
+        return self._writer.error
 
     def save(
         self,
@@ -148,115 +193,198 @@ class CheckpointManager:
         *,
         metrics: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        step: int | None = None,
+        block: bool = True,
     ) -> Path | None:
         """Save the state after ``epoch``. All ranks must call this, or it deadlocks.
 
-        Every rank sends its RNG state to rank 0, which writes the files. Pass
-        the same ``metrics`` on every rank (``ddpkit.evaluate``'s are): each
-        rank tracks the best accuracy from them.
+        Pass the same ``metrics`` on every rank (``ddpkit.evaluate``'s are).
 
         Args:
             epoch: the epoch just finished.
-            model: the model, wrapped or not.
-            optimizer: its optimizer.
-            scheduler: an LR scheduler, or None.
-            scaler: a ``torch.amp.GradScaler``, or None.
+            model, optimizer: the model (wrapped or not) and its optimizer.
+            scheduler, scaler: an LR scheduler and a ``torch.amp.GradScaler``, or None.
             metrics: ``acc1`` names the weight file (0 without it) and picks
                 ``best.pth``; ``loss`` and the rest are stored.
             extra: anything else to store, weights_only-loadable.
+            step: optimizer steps taken so far (``fit`` passes it); default:
+                the last step known to this manager.
+            block: wait until the files are written. With False, return once the
+                state is copied to host memory (reusing the last such copy, kept
+                until :meth:`flush`); the next save, :meth:`wait` and
+                :meth:`resume` wait for the write.
 
         Returns:
-            The path of ``latest.pth`` on rank 0, None on the other ranks.
+            The path of ``latest.pth`` on the ranks that write, None on the others.
 
         Raises:
-            TypeError: (rank 0) ``metrics`` or ``extra`` hold something that
-                cannot be loaded back; nothing is written.
-            OSError: (rank 0) writing failed.
-            Rank0Error: (other ranks) rank 0 failed.
+            TypeError: ``metrics`` or ``extra`` hold something that cannot be
+                loaded back; nothing is written.
+            OSError: (writing ranks, ``block=True``) writing failed.
+            Rank0Error: (other ranks, ``block=True``) rank 0 failed to write.
+            CheckpointError: an earlier background write failed on some rank.
         """
-        rng = all_gather_object(capture_rng_state())
-        metrics = dict(metrics or {})
-        acc1 = float(metrics["acc1"]) if "acc1" in metrics else None
-        improved = (
-            acc1 is not None
-            and not math.isnan(acc1)
-            and (self.best_acc1 is None or acc1 > self.best_acc1)
-        )
-        best = (acc1, epoch) if improved else (self.best_acc1, self._best_epoch)
-        weights = unwrap_model(model).state_dict()
-        state = {
-            "format": _FORMAT,
-            "version": _VERSION,
-            "epoch": epoch,
-            "acc1": acc1,
-            "loss": float(metrics["loss"]) if "loss" in metrics else None,
-            "lr": float(optimizer.param_groups[0]["lr"]),
-            "model": weights,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "world_size": get_world_size(),
-            "rng": rng,
-            "metrics": metrics,
-            "extra": dict(extra or {}),
-            "best_acc1": best[0],
-            "best_epoch": best[1],
-        }
-        name = f"{self.prefix}-epoch{epoch}-acc{acc1 or 0.0:.2f}.pth"
-        written = rank0_only(sync=True)(self._write)(state, weights, name, improved)
-        self.best_acc1, self._best_epoch = best  # only once the files are written
-        return written
+        step = self._step if step is None else step
+        position = Position(epoch + 1, 0, 0, step, get_world_size())
+        return self._save("epoch", epoch, position, model, optimizer, scheduler, scaler,
+                          metrics, extra, None, block)  # fmt: skip
 
-    def _write(self, state: dict[str, Any], weights: Any, name: str, improved: bool) -> Path:
-        clean = check_saveable(state)  # refuse bad metrics or extra before touching a file
-        self.directory.mkdir(parents=True, exist_ok=True)
-        epoch_path = self.directory / name
-        save_checkpoint(weights, epoch_path)
-        if improved:
-            link_or_copy(epoch_path, self.directory / "best.pth")
-        # latest.pth comes last, so the files it refers to exist whenever it does.
-        if self.latest_path.exists() and not self._latest_damaged:
-            os.replace(self.latest_path, self._previous_path)
-        replace_atomic(self.latest_path, functools.partial(write_file, clean), payload_bytes(clean))
-        self._latest_damaged = False
-        self._prune(state["epoch"], name, state["best_epoch"])
-        logger.info("saved epoch %d: %s and %s", state["epoch"], self.latest_path, epoch_path)
-        return self.latest_path
-
-    def _prune(self, epoch: int, current: str, best_epoch: int | None) -> None:
-        found = []
-        for path in self.directory.iterdir():
-            match = self._epoch_file.fullmatch(path.name)
-            if match and int(match.group(1)) <= epoch:
-                found.append((int(match.group(1)), path))
-        keep = sorted({n for n, _ in found if n < epoch}, reverse=True)[: self.keep_last - 1]
-        for number, path in found:
-            # Another file of this epoch comes from a run that resumed before it.
-            old = number != epoch and number not in keep and number != best_epoch
-            if old or (number == epoch and path.name != current):
-                path.unlink(missing_ok=True)
-
-    def save_interrupted(
-        self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer
+    def save_step(
+        self,
+        position: Position,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: Any = None,
+        *,
+        kind: str = "step",
+        loop: Any = None,
+        extra: Mapping[str, Any] | None = None,
+        block: bool = True,
     ) -> Path | None:
-        """On rank 0, save the model and optimizer mid-epoch to :attr:`interrupted_path`.
+        """Save the state in the middle of an epoch, at ``position``. All ranks must call this.
 
-        Not a collective (an interrupt reaches the ranks at different moments):
-        every rank may call it, and only rank 0 writes.
+        Args:
+            position: where training stands (its ``step`` names the file).
+            model, optimizer, scheduler, scaler: as in :meth:`save`.
+            kind: ``"step"`` (``step-<n>.pth``) or ``"interrupted"`` (``interrupted.pth``).
+            loop: this rank's running totals of the epoch (picklable), given back
+                by :meth:`resume` in :attr:`loop`.
+            extra: anything else to store, weights_only-loadable.
+            block: as in :meth:`save`.
 
         Returns:
-            The path on rank 0, None on the other ranks.
+            The file's path on the ranks that write, None on the others.
         """
+        if kind not in ("step", "interrupted"):
+            raise ValueError(f"kind must be 'step' or 'interrupted', got {kind!r}")
+        return self._save(kind, position.epoch, position, model, optimizer, scheduler, scaler,
+                          None, extra, loop, block)  # fmt: skip
+
+    def _weights(self, model: nn.Module) -> dict[str, Any]:
+        """The model's state as rank 0 holds it, on every rank that writes.
+
+        DDP keeps parameters equal on all ranks, but each rank updates its
+        BatchNorm statistics with its own batch after rank 0's are broadcast:
+        a copy written by another rank takes rank 0's, or a resume from it
+        would not be exact. (A collective when several ranks write.)
+        """
+        net = unwrap_model(model)
+        weights = net.state_dict()
+        if not self.on_each_node or get_world_size() == 1:
+            return weights
+        buffers = {name: weights[name] for name, _ in net.named_buffers() if name in weights}
+        ours = broadcast_state(buffers if get_rank() == 0 else None, 0)
         if get_rank() != 0:
-            return None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        state = {
-            "epoch": epoch,
-            "model": unwrap_model(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-        }
-        save_checkpoint(state, self.interrupted_path)
-        return self.interrupted_path
+            weights.update(ours)  # a fresh dict from state_dict(): the model is not touched
+        return weights
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes files: rank 0, and with ``on_each_node`` each node's first."""
+        return get_rank() == 0 or (self.on_each_node and get_local_rank() == 0)
+
+    def wait(self, *, raise_error: bool = True) -> None:
+        """Wait for this rank's background write; raise its error if it failed (and asked to)."""
+        if raise_error:
+            self._writer.wait()
+        else:
+            self._writer.join()
+
+    def flush(self) -> None:
+        """Wait for every rank's background write; if one failed, raise on every rank.
+
+        All ranks must call this, or it deadlocks.
+
+        Raises:
+            CheckpointError: (or the write's own error, on its rank) a write failed.
+        """
+        self._writer.join()
+        self._spare = None  # the end of training: the host copy is not needed any more
+        failed = self._writer.error
+        reports = all_gather_object(describe_error(failed))
+        raise_earlier_failure(failed, reports, self._writer)
+
+    def _save(
+        self,
+        kind: str,
+        epoch: int,
+        position: Position,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        scaler: Any,
+        metrics: Mapping[str, Any] | None,
+        extra: Mapping[str, Any] | None,
+        loop: Any,
+        block: bool,
+    ) -> Path | None:
+        self._writer.join()  # at most one write in flight
+        failed = self._writer.error
+        gathered = all_gather_object((capture_rng_state(), loop, describe_error(failed)))
+        raise_earlier_failure(failed, [g[2] for g in gathered], self._writer)
+        metrics = dict(metrics or {})
+        check_saveable({"metrics": metrics, "extra": dict(extra or {})})  # the same on all ranks
+        if self._generation is None:
+            self._generation = next_generation(self.directory)
+        acc1 = float(metrics["acc1"]) if "acc1" in metrics else None
+        improved = kind == "epoch" and acc1 is not None and not math.isnan(acc1) and (
+            self.best_acc1 is None or acc1 > self.best_acc1
+        )  # fmt: skip
+        best = (acc1, epoch) if improved else (self.best_acc1, self._best_epoch)
+        self._step = max(self._step, position.step)
+        path: Path | None = None
+        error: BaseException | None = None
+        weights = self._weights(model)
+        if self.writes:
+            state = {
+                "format": FORMAT,
+                "version": VERSION,
+                "kind": kind,
+                "snapshot": f"g{self._generation}-s{position.step}-e{epoch}-{kind}",
+                "generation": self._generation,
+                "epoch": epoch,
+                "position": position.as_dict(),
+                "acc1": acc1,
+                "loss": float(metrics["loss"]) if "loss" in metrics else None,
+                "lr": float(optimizer.param_groups[0]["lr"]),
+                "model": weights,
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "world_size": get_world_size(),
+                "rng": [g[0] for g in gathered],
+                "loop": [g[1] for g in gathered],
+                "metrics": metrics,
+                "extra": dict(extra or {}),
+                "best_acc1": best[0],
+                "best_epoch": best[1],
+            }
+            path = self.latest_path if kind == "epoch" else self._path_of(kind, position.step)
+            if block:
+                write = functools.partial(self._write, state, improved)
+                try:
+                    write()
+                except Exception as exc:
+                    error = exc
+            else:  # training changes the originals from here on: write a copy
+                # The last copy's write is done (joined above): its host memory is reused.
+                self._spare = snapshot(state, reuse=self._spare)
+                self._writer.submit(functools.partial(self._write, self._spare, improved))
+        if block:
+            share_outcome(error, kind)
+        self.best_acc1, self._best_epoch = best
+        return path
+
+    def _path_of(self, kind: str, step: int) -> Path:
+        return self.interrupted_path if kind == "interrupted" else self.directory / step_name(step)
+
+    def _write(self, state: dict[str, Any], improved: bool) -> None:
+        rotate = not self._latest_damaged  # a damaged latest.pth must not become previous.pth
+        write_files(self.directory, state, prefix=self.prefix, keep_last=self.keep_last,
+                    keep_steps=self.keep_steps, best=improved, rotate=rotate)  # fmt: skip
+        if state["kind"] == "epoch":
+            self._latest_damaged = False
 
     def resume(
         self,
@@ -265,110 +393,58 @@ class CheckpointManager:
         scheduler: Any = None,
         scaler: Any = None,
         *,
+        path: str | os.PathLike[str] | None = None,
         map_location: MapLocation = "cpu",
         strict_rng: bool = True,
     ) -> int:
-        """Restore the newest loadable full checkpoint; return the epoch to start from.
+        """Restore the newest complete checkpoint any rank holds; return the epoch to start in.
 
-        Tries ``latest.pth``, then (with a warning if ``latest.pth`` is damaged)
-        ``previous.pth``. Restores the model (unwrapped), those of optimizer,
-        scheduler and scaler that are given, this rank's RNG state and
-        :attr:`best_acc1`. All ranks must call this, or it deadlocks.
+        The ranks agree on the newest checkpoint of the newest generation
+        (epoch, step or interrupted) in any rank's directory; its holders load
+        it, checking every CRC, and one sends it to the others. A damaged file
+        is skipped, with a warning, for the next newest. Also restores this
+        rank's RNG state, :attr:`best_acc1`, :attr:`position` and :attr:`loop`.
+        All ranks must call this, or it deadlocks.
 
         Args:
-            model: the model, wrapped or not.
-            optimizer: its optimizer, or None.
-            scheduler: an LR scheduler, or None.
-            scaler: a ``torch.amp.GradScaler``, or None.
+            model, optimizer, scheduler, scaler: as in :meth:`save`; None: not restored.
+            path: resume from this file (on any rank's file system) instead
+                of the newest; later saves start a new generation.
             map_location: where loaded tensors go first.
             strict_rng: refuse a checkpoint saved by a different number of ranks,
                 whose RNG states cannot be matched to these; with False, resume
                 without restoring RNG state, with a warning.
 
         Returns:
-            The saved epoch + 1, or 0 when there is no checkpoint.
+            The epoch to start in: the saved epoch + 1 after an epoch
+            checkpoint, the epoch in progress after a step checkpoint (see
+            :attr:`position` for how far into it), 0 when there is none.
 
         Raises:
-            CheckpointError: no checkpoint file is loadable, a rank failed to
-                load, the ranks found different checkpoints, a part asked for
-                is missing, or the world size changed and ``strict_rng`` is True.
+            CheckpointError: no checkpoint is loadable, ``path`` exists on no
+                rank, a part asked for is missing, or the world size changed
+                and ``strict_rng`` is True.
 
         Example:
             >>> start_epoch = manager.resume(model, optimizer, scheduler, scaler)
         """
-        state, path, found, error = None, self.latest_path, None, None
-        try:
-            state, path = self._load_newest(map_location)
-            found = (path.name, int(state["epoch"])) if state is not None else None
-        except Exception as e:  # reported to every rank below, instead of leaving them waiting
-            error = e
-        reports = all_gather_object((found, f"{type(error).__name__}: {error}" if error else ""))
-        if error is not None:
-            raise error
-        failed = [f"rank {r} ({p})" for r, (_, p) in enumerate(reports) if p]
-        if failed:
-            raise CheckpointError("resume failed on " + "; ".join(failed))
-        if len({f for f, _ in reports}) > 1:
-            views = ", ".join(
-                f"rank {r}: {f'{f[0]} of epoch {f[1]}' if f else 'nothing'}"
-                for r, (f, _) in enumerate(reports)
-            )
-            raise CheckpointError(
-                f"the ranks found different checkpoints in {self.directory} ({views}). "
-                "Put the directory on a file system that every node shares. " + see("checkpoints")
-            )
-        if state is None:
+        self._writer.join()
+        agreed = load_newest(self.directory, Path(path) if path is not None else None,
+                             map_location)  # fmt: skip
+        self._latest_damaged = agreed.latest_damaged
+        self.resumed_from = agreed.file
+        if agreed.state is None or agreed.found is None:
+            self._generation = agreed.generation + 1
+            self.position = None
             return 0
-        self._restore(state, path, model, (optimizer, scheduler, scaler), strict_rng)
-        return int(state["epoch"]) + 1
-
-    def _load_newest(self, map_location: MapLocation) -> tuple[dict[str, Any] | None, Path]:
-        self._latest_damaged = False
-        for path in (self.latest_path, self._previous_path):
-            try:
-                state = load_checkpoint(path, map_location)
-            except FileNotFoundError:
-                continue
-            except CheckpointError as e:
-                warnings.warn(f"{e}; trying an older checkpoint", RuntimeWarning, stacklevel=3)
-                self._latest_damaged |= path == self.latest_path
-                continue
-            if state.get("format") != _FORMAT or state.get("version", 0) > _VERSION:
-                raise CheckpointError(
-                    f"{path} is not a ddpkit checkpoint of version <= {_VERSION} (format "
-                    f"{state.get('format')!r}, version {state.get('version')!r})"
-                )
-            return state, path
-        if self._latest_damaged:
-            raise CheckpointError(
-                f"no checkpoint in {self.directory} is loadable; see the warnings"
-            )
-        return None, self.latest_path
-
-    def _restore(
-        self,
-        state: dict[str, Any],
-        path: Path,
-        model: nn.Module,
-        parts: tuple[Any, ...],
-        strict_rng: bool,
-    ) -> None:
-        names = ("optimizer", "scheduler", "scaler")
-        for name, obj in zip(names, parts, strict=True):
-            if obj is not None and state.get(name) is None:
-                raise CheckpointError(f"{path} holds no {name} state; pass {name}=None to resume")
-        saved, now = int(state["world_size"]), get_world_size()
-        if saved != now:
-            message = f"{path} holds RNG states for {saved} ranks and this job has {now}"
-            if strict_rng:
-                raise CheckpointError(f"{message}; pass strict_rng=False to resume without them")
-            warnings.warn(
-                f"{message}; resuming without restoring RNG state", RuntimeWarning, stacklevel=3
-            )
-        unwrap_model(model).load_state_dict(state["model"])
-        for name, obj in zip(names, parts, strict=True):
-            if obj is not None:
-                obj.load_state_dict(state[name])
-        if saved == now:
-            restore_rng_state(state["rng"][get_rank()])
-        self.best_acc1, self._best_epoch = state.get("best_acc1"), state.get("best_epoch")
+        restored = restore_state(agreed.state, agreed.found, model,
+                                 (optimizer, scheduler, scaler), strict_rng)  # fmt: skip
+        self.position, self.loop = restored.position, restored.loop
+        self.best_acc1, self._best_epoch = restored.best_acc1, restored.best_epoch
+        self._step = self.position.step
+        # An explicit file may be older than the newest: what follows is a new line of saves.
+        self._generation = agreed.generation + 1 if path is not None else agreed.found.generation
+        if get_rank() == 0:
+            logger.info("resuming from %s (read on rank %d)", agreed.found.describe(),
+                        agreed.source)  # fmt: skip
+        return self.position.epoch if self.position is not None else 0

@@ -206,6 +206,7 @@ def join_job(
         is_distributed=True,
         launcher=plan.launcher,
         init_method=plan.url,
+        restart_count=plan.restart_count,
         environ_before=before,
     )
     logger.info(
@@ -281,4 +282,5 @@ def _describe_existing() -> DistInfo:
         backend=str(dist.get_backend()),
         is_distributed=True,
         launcher="existing",
+        restart_count=launch.restart_count if launch and same_job else 0,
     )

@@ -56,6 +56,9 @@ class DistInfo:
             ``"explicit"`` (ranks passed as arguments), ``"existing"`` (a group
             made elsewhere) or ``"none"``.
         init_method: the rendezvous address, e.g. ``tcp://10.0.0.1:23456``.
+        restart_count: how often the launcher restarted the job's processes
+            before this attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``,
+            ``spawn(max_restarts=...)``); above 0, resume from a checkpoint.
     """
 
     rank: int
@@ -68,6 +71,7 @@ class DistInfo:
     is_distributed: bool
     launcher: str = "none"
     init_method: str | None = None
+    restart_count: int = 0
     # (name, value before) of each environment variable init_distributed set.
     environ_before: tuple[tuple[str, str | None], ...] = field(
         default=(), compare=False, repr=False, kw_only=True
@@ -141,6 +145,7 @@ class JobPlan:
         store_is_external: the launcher hosts the store; rank 0 connects to it.
         store_prefix: the key prefix of this attempt in the store.
         given_by: the launcher variables this came from, for messages.
+        restart_count: how often the launcher restarted the processes before.
     """
 
     rank: int
@@ -157,6 +162,7 @@ class JobPlan:
     store_is_external: bool = False
     store_prefix: str = "ddpkit/rdzv"
     given_by: str = ""
+    restart_count: int = 0
 
 
 def as_timeout(name: str, value: object) -> timedelta:
@@ -279,6 +285,7 @@ def resolve_job(
         node_rank=launch.node_rank if launch else None,
         launcher=launch.launcher if launch else "explicit",
         given_by=_variables(launch) if launch else "",
+        restart_count=launch.restart_count if launch else 0,
     )
 
 

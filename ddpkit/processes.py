@@ -7,6 +7,11 @@ process exited first would often show that echo instead of the real error.
 Each child therefore reports its outcome with a timestamp *before* it tears
 down its process group, and the parent raises the earliest failure that is not
 such an echo, with that rank's traceback.
+
+A process may also *stop* rather than fail (``spawn``: raise ``Preempted``
+or ``KeyboardInterrupt``, or die of a signal the parent forwarded). A stopping
+rank may be writing a checkpoint, so the others then get :data:`STOP_GRACE_S`,
+not the short failure settle; :func:`run_and_collect` leaves the verdict to the caller.
 """
 
 from __future__ import annotations
@@ -21,14 +26,23 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import torch.distributed as dist
 
-__all__ = ["RankFailedError", "die_with_parent", "run_processes"]
+__all__ = [
+    "STOP_GRACE_S",
+    "Outcome",
+    "RankFailedError",
+    "Relay",
+    "Stop",
+    "die_with_parent",
+    "run_and_collect",
+    "run_processes",
+]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -41,9 +55,12 @@ _DEAD_REPORT_GRACE_S = 0.5
 # earliest real failure (not a peer's "connection closed") is the one raised;
 # longer than _DEAD_REPORT_GRACE_S so a silent death is seen in that window.
 _FAILURE_SETTLE_S = 1.5
+# Once a rank has stopped (or a stop signal was forwarded), how long the others
+# get to finish: the rank that writes the checkpoint may still be at it.
+STOP_GRACE_S = 120.0
 
-# (index, ok, pickled value or error message, traceback, time of failure)
-_Report = tuple[int, bool, Any, str, float]
+# (index, "ok" | "error" | "stop", pickled value / message / pickled exception, traceback, time)
+_Report = tuple[int, Literal["ok", "error", "stop"], Any, str, float]
 
 
 class RankFailedError(RuntimeError):
@@ -62,9 +79,37 @@ class RankFailedError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
+@dataclass(frozen=True)
+class Stop:
+    """A process that stopped rather than failed: global ``rank``, and how."""
+
+    rank: int
+    exception: BaseException | None  # the stop exception it raised; None: it sent no report
+    exitcode: int | None = None  # without a report: a stop code, or -signal forwarded to it
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one run of the processes ended; see :func:`run_and_collect`."""
+
+    values: list[Any] | None  # what each process returned, if every one did
+    failure: RankFailedError | None  # the first real failure (peers lost next to a stop are none)
+    stops: tuple[Stop, ...] = ()  # in the order they came
+
+
+class Relay(Protocol):
+    """What forwards the parent's signals to the processes of a run (``ddpkit.spawn``'s)."""
+
+    def watch(self, processes: Sequence[BaseProcess]) -> None:
+        """Forward signals to ``processes`` from now on."""
+
+    def forwarded(self) -> Collection[int]:
+        """The signals forwarded so far."""
+
+
 def _failure_report(index: int, message: str) -> _Report:
     """Build a failure report; call it inside the ``except`` block it describes."""
-    return (index, False, message, traceback.format_exc(), time.time())
+    return (index, "error", message, traceback.format_exc(), time.time())
 
 
 def die_with_parent(parent: int) -> None:
@@ -90,12 +135,28 @@ def _watch_parent(parent: int) -> None:
 
 
 def _child_entry(
-    target: Callable[..., Any], index: int, args: tuple[Any, ...], results: Any, parent: int
+    target: Callable[..., Any],
+    index: int,
+    args: tuple[Any, ...],
+    results: Any,
+    parent: int,
+    stop_types: tuple[type[BaseException], ...],
+    sigmask: set[signal.Signals] | None,
 ) -> None:
+    if sigmask is not None:
+        # A group of its own: a terminal's Ctrl-C reaches only the parent, which
+        # forwards it. SIGINT was blocked from the fork until here (see _start).
+        os.setpgid(0, 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, sigmask)
     die_with_parent(parent)  # a parent killed with SIGKILL must not leave its ranks running
     report: _Report
     try:
         value = target(index, *args)
+    except stop_types as exc:
+        try:
+            report = (index, "stop", pickle.dumps(exc), traceback.format_exc(), time.time())
+        except Exception:
+            report = _failure_report(index, f"{type(exc).__name__}: {exc}")
     except BaseException as exc:
         report = _failure_report(index, f"{type(exc).__name__}: {exc}")
     else:
@@ -104,7 +165,7 @@ def _child_entry(
             # would only be printed and the parent would wait in vain. Plain
             # pickle, not multiprocessing's: that one sends tensors as shared
             # memory handles, which die with this process.
-            report = (index, True, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), "", 0.0)
+            report = (index, "ok", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), "", 0.0)
         except Exception as exc:
             report = _failure_report(
                 index,
@@ -137,35 +198,103 @@ def run_processes(
     unfinished ranks when ``timeout`` seconds pass. Messages call process
     ``index`` rank ``first_rank + index`` of ``world_size`` (default ``nprocs``).
     """
+    outcome = run_and_collect(
+        target,
+        nprocs,
+        args,
+        timeout=timeout,
+        name=name,
+        error=error,
+        timeout_hint=timeout_hint,
+        first_rank=first_rank,
+        world_size=world_size,
+    )
+    if outcome.failure is not None:
+        raise outcome.failure
+    assert outcome.values is not None  # without stop types, processes return or fail
+    return outcome.values
+
+
+def run_and_collect(
+    target: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float | None = None,
+    name: str = "ddpkit-rank",
+    error: type[RankFailedError] = RankFailedError,
+    timeout_hint: str = "",
+    first_rank: int = 0,
+    world_size: int | None = None,
+    stop_types: tuple[type[BaseException], ...] = (),
+    stop_exit_codes: frozenset[int] = frozenset(),
+    relay: Relay | None = None,
+    own_process_groups: bool = False,
+) -> Outcome:
+    """:func:`run_processes`, returning what happened instead of raising the failure.
+
+    A process that raises one of ``stop_types``, exits with one of
+    ``stop_exit_codes`` without a report, or dies of a signal ``relay``
+    forwarded is a :class:`Stop`. With ``own_process_groups`` each leaves the
+    parent's process group first thing: a terminal's Ctrl-C reaches only the
+    parent. Unfinished processes are killed before this returns.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    processes = [
-        # Not daemonic: the children may start DataLoader workers of their own.
-        ctx.Process(
-            target=_child_entry,
-            args=(target, index, tuple(args), results, os.getpid()),
-            name=f"{name}{index}",
-        )
-        for index in range(nprocs)
-    ]
-    values: dict[int, Any] = {}
+    processes: list[BaseProcess] = []
+    outcome = None
     try:
-        for p in processes:
-            p.start()
+        processes = _start(ctx, target, nprocs, args, results, name, stop_types, own_process_groups)
+        if relay is not None:
+            relay.watch(processes)
         labels = _Labels(first_rank, world_size if world_size is not None else nprocs)
-        values = _collect(processes, results, timeout, error, timeout_hint, labels)
+        outcome = _collect(
+            processes, results, timeout, timeout_hint, labels, stop_exit_codes, relay, error
+        )
+    finally:
+        # Everything but a full set of results (an error here included) kills the rest.
+        _stop(processes, kill=outcome is None or outcome.values is None)
+        results.close()
+        results.join_thread()
+    return outcome
+
+
+def _start(
+    ctx: Any,
+    target: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any],
+    results: Any,
+    name: str,
+    stop_types: tuple[type[BaseException], ...],
+    own_process_groups: bool,
+) -> list[BaseProcess]:
+    blocking = own_process_groups and hasattr(signal, "pthread_sigmask")
+    # Until a child has left our process group, a Ctrl-C at the terminal would hit
+    # it half-way through its imports: children inherit a mask that blocks SIGINT.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if blocking else None
+    processes: list[BaseProcess] = []
+    try:
+        for index in range(nprocs):
+            # Not daemonic: the children may start DataLoader workers of their own.
+            p = ctx.Process(
+                target=_child_entry,
+                args=(target, index, tuple(args), results, os.getpid(), stop_types, mask),
+                name=f"{name}{index}",
+            )
+            processes.append(p)
+            p.start()
     except BaseException:
         _stop(processes, kill=True)
         raise
-    else:
-        _stop(processes, kill=False)
     finally:
-        results.close()
-        results.join_thread()
-    return [values[i] for i in range(nprocs)]
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    return processes
 
 
 def _stop(processes: Sequence[BaseProcess], *, kill: bool) -> None:
+    processes = [p for p in processes if p.pid is not None]  # started ones
     for p in processes:
         if p.is_alive():
             p.kill() if kill else p.terminate()
@@ -209,20 +338,25 @@ def _collect(
     processes: Sequence[BaseProcess],
     results: Any,
     timeout: float | None,
-    error: type[RankFailedError],
     timeout_hint: str,
     labels: _Labels,
-) -> dict[int, Any]:
-    """Wait for every rank's report; raise on the first real failure or at the deadline."""
+    stop_exit_codes: frozenset[int],
+    relay: Relay | None,
+    error: type[RankFailedError],
+) -> Outcome:
+    """Wait for every rank's report, or the settle (grace) after the first that did not return."""
     world_size = len(processes)
     deadline = time.monotonic() + timeout if timeout is not None else float("inf")
     values: dict[int, Any] = {}
     failures: dict[int, _Failure] = {}
+    stops: dict[int, Stop] = {}
     dead_since: dict[int, float] = {}
-    settle_until: float | None = None  # set by the first failure
-    while len(values) + len(failures) < world_size:
+    first_end: float | None = None  # when the first rank ended without returning
+    while len(values) + len(failures) + len(stops) < world_size:
         now = time.monotonic()
-        if settle_until is not None and now >= settle_until:
+        forwarded = relay.forwarded() if relay is not None else ()
+        grace = STOP_GRACE_S if stops or forwarded else _FAILURE_SETTLE_S
+        if first_end is not None and now >= first_end + grace:
             break
         if now > deadline:
             missing = [labels.first + r for r in range(world_size) if r not in values]
@@ -231,34 +365,45 @@ def _collect(
                 f"rank(s) {_ranks(missing)}. They were killed. {timeout_hint}".rstrip()
             )
         try:
-            rank, ok, payload, remote_tb, at = results.get(timeout=_POLL_S)
+            rank, kind, payload, remote_tb, at = results.get(timeout=_POLL_S)
         except queue.Empty:
             for rank, p in enumerate(processes):
-                if rank in values or rank in failures or p.exitcode is None:
+                code = p.exitcode
+                if rank in values or rank in failures or rank in stops or code is None:
                     continue
                 # A rank that exited may still have its report in the pipe:
                 # give it a moment before calling it a silent death.
                 first_seen = dead_since.setdefault(rank, time.time())
-                if time.time() - first_seen > _DEAD_REPORT_GRACE_S:
-                    failures[rank] = _Failure(
-                        rank,
-                        f"exited with code {p.exitcode} without returning or raising "
-                        "(killed by a signal, os._exit, or a crash in native code)",
-                        "",
-                        first_seen,
-                    )
-            if failures and settle_until is None:
-                settle_until = time.monotonic() + _FAILURE_SETTLE_S
+                if time.time() - first_seen <= _DEAD_REPORT_GRACE_S:
+                    continue
+                if code in stop_exit_codes or -code in forwarded:
+                    stops[rank] = Stop(labels.first + rank, None, code)
+                    continue
+                failures[rank] = _Failure(
+                    rank,
+                    f"exited with code {code} without returning or raising "
+                    "(killed by a signal, os._exit, or a crash in native code)",
+                    "",
+                    first_seen,
+                )
+            if (failures or stops) and first_end is None:
+                first_end = time.monotonic()
             continue
-        if ok:
+        if kind == "ok":
             values[rank] = pickle.loads(payload)
             continue
-        failures[rank] = _Failure(rank, payload, remote_tb, at)
-        if settle_until is None:
-            settle_until = time.monotonic() + _FAILURE_SETTLE_S
-    if failures:
-        raise _failure_error(list(failures.values()), labels, error)
-    return values
+        if kind == "stop":
+            stops[rank] = Stop(labels.first + rank, pickle.loads(payload))
+        else:
+            failures[rank] = _Failure(rank, payload, remote_tb, at)
+        if first_end is None:
+            first_end = time.monotonic()
+    if len(values) == world_size:
+        return Outcome([values[i] for i in range(world_size)], None)
+    # Next to a rank that stopped, "a peer went away" is no failure of its own.
+    real = [f for f in failures.values() if not (stops and f.is_consequence)]
+    failure = _failure_error(list(failures.values()), labels, error) if real else None
+    return Outcome(None, failure, tuple(stops.values()))
 
 
 @dataclass(frozen=True)

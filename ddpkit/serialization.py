@@ -31,6 +31,7 @@ from ddpkit.files import is_no_space, is_quota, no_space, remove_stale, temp_pat
 
 __all__ = [
     "CheckpointError",
+    "check_records",
     "check_saveable",
     "link_or_copy",
     "load_checkpoint",
@@ -124,6 +125,9 @@ def replace_atomic(path: Path, write: Callable[[Path], None], needed: int | None
     try:
         write(tmp)
         os.replace(tmp, path)
+        # rename() between two links of one file does nothing and leaves both names.
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
     except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -243,7 +247,7 @@ def load_checkpoint(
         >>> state = load_checkpoint("run/latest.pth")
     """
     try:
-        _check_records(path)
+        check_records(path)
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"load_checkpoint: no checkpoint file at {path}") from None
@@ -268,7 +272,7 @@ def load_checkpoint(
     return obj
 
 
-def _check_records(path: str | os.PathLike[str]) -> None:
+def check_records(path: str | os.PathLike[str]) -> None:
     """Check every record's CRC: torch stores them in the zip but does not check them on load.
 
     A bit-rotted tensor would otherwise load silently, with wrong numbers.

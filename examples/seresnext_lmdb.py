@@ -6,6 +6,8 @@ The same script runs every way a PyTorch ImageNet-example user expects:
     python seresnext_lmdb.py --data DIR --multiprocessing-distributed \\
         --world-size 2 --rank 0 --dist-url tcp://10.0.0.1:23456    # node 0 of 2, a process per GPU
     torchrun --nproc-per-node 8 seresnext_lmdb.py --data DIR        # also srun under SLURM
+    torchrun --nproc-per-node 8 --max-restarts 3 seresnext_lmdb.py --data DIR \\
+        --save-every-minutes 10 --hang-timeout 600 --resume           # survives crashes
     python seresnext_lmdb.py --demo                               # generated shapes, minutes
 
 ``DIR`` holds ``train.lmdb`` and ``val.lmdb`` (``ddpkit lmdb build``).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
@@ -27,6 +30,21 @@ from torch import nn
 import ddpkit
 from ddpkit.data.shapes import make_shapes_dataset
 from ddpkit.devices import cpu_share
+
+
+def _number(kind: type, least: float, strict: bool) -> Any:
+    """An argparse type: a ``kind`` above (``strict``) or at least ``least``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or not (value > least if strict else value >= least):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {least:g}")
+        return value
+
+    return parse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +67,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-crop", type=float, default=0.08, help="RandomResizedCrop's smallest area")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoints", default="checkpoints", metavar="DIR")
-    p.add_argument("--resume", action="store_true", help="continue from DIR/latest.pth")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
+                   help="continue from the newest complete checkpoint (epoch, step or\n"
+                        "interrupted) any node holds, or from the file PATH")  # fmt: skip
+    p.add_argument(
+        "--save-every-steps",
+        type=_number(int, 0, True),
+        metavar="N",
+        help="a step checkpoint every N",
+    )
+    p.add_argument("--save-every-minutes", type=_number(float, 0, True), metavar="M",
+                   help="a checkpoint when M minutes passed since the last")  # fmt: skip
+    p.add_argument("--save-on-each-node", action="store_true",
+                   help="each node's first process writes its own copy too")  # fmt: skip
+    p.add_argument("--hang-timeout", type=_number(float, 0, True), metavar="SECONDS",
+                   help="a rank without progress this long: stacks logged, exit 124")  # fmt: skip
+    p.add_argument("--max-restarts", type=_number(int, 0, False), default=0, metavar="N",
+                   help="with --multiprocessing-distributed: restart failed processes\n"
+                        "up to N times, resuming (torchrun: its own --max-restarts)")  # fmt: skip
     p.add_argument("--network", default="seresnext", help="name prefix of the per-epoch weights")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--dist-url", help="tcp://<node 0 address>:<port>, env:// or file://")
@@ -68,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.data is None and not args.demo:
         p.error("--data DIR is required (or --demo)")
+    if args.max_restarts and not args.multiprocessing_distributed:
+        p.error("--max-restarts restarts the processes --multiprocessing-distributed starts; "
+                "under torchrun use torchrun's own --max-restarts")  # fmt: skip
     if args.gpu is not None and args.multiprocessing_distributed:
         p.error("--gpu picks the GPU of a one-process run; with --multiprocessing-distributed "
                 "each process takes the GPU of its local rank: drop --gpu")  # fmt: skip
@@ -128,12 +166,18 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, args.milestones, gamma=0.1)
-    checkpoints = ddpkit.CheckpointManager(args.checkpoints, prefix=args.network)
+    checkpoints = ddpkit.CheckpointManager(
+        args.checkpoints, prefix=args.network, every_steps=args.save_every_steps,
+        every_minutes=args.save_every_minutes, on_each_node=args.save_on_each_node,
+    )  # fmt: skip
+    # A restarted process (torchrun --max-restarts, --max-restarts) continues the run.
+    resume = args.resume or info.restart_count > 0
     history = ddpkit.fit(
         model, train_loader, optimizer, criterion=criterion, epochs=args.epochs,
         val_loader=val_loader, scheduler=scheduler, config=ddpkit.TrainConfig(amp=args.amp),
-        checkpoints=checkpoints, resume=args.resume,
+        checkpoints=checkpoints, resume=resume,
         report=ddpkit.ReportConfig(progress=not args.demo),  # a bar on rank 0, not in the demo
+        faults=ddpkit.FaultConfig(hang_timeout=args.hang_timeout),
     )  # fmt: skip
     return history.last if history.records else {}
 
@@ -143,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.multiprocessing_distributed:
         return ddpkit.spawn(
             train, args.nprocs, args=(args,), nnodes=args.world_size, node_rank=args.rank,
-            init_method=args.dist_url, backend=args.dist_backend,
+            init_method=args.dist_url, backend=args.dist_backend, max_restarts=args.max_restarts,
         )[0]  # fmt: skip
     with ddpkit.init_distributed(**init_arguments(args)) as info:
         return train(info, args)

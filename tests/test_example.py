@@ -188,3 +188,38 @@ def test_two_nodes_one_process_each(tmp_path: Path) -> None:
     assert [node.returncode for node in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
     assert "epoch 0: train_loss" in errors[0]
     assert (tmp_path / "ckpt" / "latest.pth").is_file()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--save-every-steps", "0"],
+        ["--save-every-steps", "-1"],
+        ["--save-every-steps", "2.5"],
+        ["--save-every-minutes", "0"],
+        ["--save-every-minutes", "nan"],
+        ["--hang-timeout", "-5"],
+        ["--hang-timeout", "inf"],
+        ["--max-restarts", "-1", "--multiprocessing-distributed"],
+        ["--max-restarts", "2"],  # without --multiprocessing-distributed
+    ],
+)
+def test_fault_flags_are_checked_before_anything_runs(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        example.parse_args(["--data", "d", *argv])
+    assert exit_info.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_fault_flags() -> None:
+    args = example.parse_args(["--data", "d", "--save-every-steps", "500", "--save-every-minutes",
+                               "10", "--hang-timeout", "600", "--save-on-each-node",
+                               "--multiprocessing-distributed", "--max-restarts", "3"])  # fmt: skip
+    assert (args.save_every_steps, args.save_every_minutes, args.hang_timeout) == (500, 10.0, 600.0)
+    assert (args.save_on_each_node, args.max_restarts, args.resume) == (True, 3, False)
+    assert example.parse_args(["--data", "d", "--resume"]).resume is True
+    assert example.parse_args(["--data", "d", "--resume", "x.pth"]).resume == "x.pth"

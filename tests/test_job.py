@@ -67,6 +67,7 @@ def test_agent_store_keys_each_restart_apart() -> None:
     assert plan is not None
     assert plan.store_is_external
     assert plan.store_prefix == "ddpkit/rdzv/job7/2"
+    assert plan.restart_count == 2  # what join_job puts in DistInfo.restart_count
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -169,3 +171,28 @@ def test_worker_randomness_is_reproducible_per_seed_and_rank() -> None:
     # The two workers' Python and numpy RNGs are seeded apart, not forked copies.
     for values in first[1:]:
         assert len(set(values)) == len(values)
+
+
+class _Pids(Indices):
+    """Each sample is the pid of the worker that loaded it."""
+
+    def __getitem__(self, index: int) -> int:  # type: ignore[override]
+        return os.getpid()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"])
+def test_workers_outlive_a_stop_signal_sent_to_the_whole_process_group(name: str) -> None:
+    # torchrun, Kubernetes and a terminal's Ctrl-C signal every process of the group:
+    # the training process decides when to stop and needs its workers until then.
+    loader = build_loader(_Pids(64), batch_size=4, train=True, workers=2, seed=0,
+                          multiprocessing_context="fork")  # fmt: skip
+    batches = iter(loader)
+    pids = {int(p) for _ in range(4) for p in next(batches)}
+    assert len(pids) == 2
+    assert os.getpid() not in pids
+    for pid in pids:
+        os.kill(pid, getattr(signal, name))
+    time.sleep(0.5)  # a worker that died of it would be reported from here on
+    rest = [int(p) for batch in batches for p in batch]
+    assert set(rest) == pids

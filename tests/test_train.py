@@ -320,3 +320,20 @@ def test_noisy_blobs_are_learnable() -> None:
     # Chance is 33%; the noise caps this data near 80% (68-85% over initial seeds).
     assert history.last["val_acc1"] > 60
     assert history.last["train_loss"] < history.records[0]["train_loss"]
+
+
+@pytest.mark.parametrize("bad", [[], [0], [31], [32], [33], [63, 64], [64], [99], [40, 5]])
+def test_the_first_non_finite_loss_is_found_across_the_checks_batches(bad: list[int]) -> None:
+    from ddpkit.steps import TrainingError, _FiniteCheck
+
+    check = _FiniteCheck(torch.device("cpu"))
+    for i in range(100):
+        check.add(i, torch.tensor(float("nan") if i in bad else 1.0))
+        if i == 50 and bad and min(bad) <= 50:
+            with pytest.raises(TrainingError, match=f"step {min(bad)} on rank 0"):
+                check.check(epoch=3)  # an earlier check point (the progress bar's)
+    if bad:
+        with pytest.raises(TrainingError, match=f"in epoch 3, step {min(bad)} on rank 0"):
+            check.check(epoch=3)
+    else:
+        check.check(epoch=3)

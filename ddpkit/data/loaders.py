@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,17 @@ def _default_workers(local_world_size: int) -> int:
     # Shared among this node's processes; at most 8, as each worker holds its
     # own dataset copy and prefetched batches in memory.
     return min(8, cpu_share(local_world_size))
+
+
+# Ctrl-C, and torchrun or a container runtime stopping the job, signal the whole
+# process group; the training process stops cleanly at the next step and still
+# needs its workers until then (they exit with it: torch's workers watch their parent).
+_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
+
+
+def _worker_start(worker_id: int) -> None:
+    for name in _STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def _loader_seed(seed: int, rank: int) -> int:
@@ -185,6 +197,7 @@ def build_loader(
         pin_memory=pin_memory,
         drop_last=drop_last,
         generator=torch.Generator().manual_seed(_loader_seed(seed, rank)),
+        worker_init_fn=_worker_start if in_workers else None,
         persistent_workers=in_workers and persistent_workers is not False,
         prefetch_factor=prefetch_factor if in_workers else None,
         multiprocessing_context=multiprocessing_context if in_workers else None,

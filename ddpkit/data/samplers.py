@@ -9,6 +9,7 @@ crops an uninterrupted one would.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -108,6 +109,7 @@ class EpochIndexSampler(Sampler[tuple[int, int]]):
         self.epoch = 0
         self._epoch_given = False
         self._started = False
+        self._skip = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -116,12 +118,21 @@ class EpochIndexSampler(Sampler[tuple[int, int]]):
         if callable(setter):
             setter(epoch)
 
+    def skip_next(self, count: int) -> None:
+        """Start the next epoch's iteration ``count`` indices in (a resumed epoch).
+
+        Only indices are skipped: no sample is read to skip it.
+        """
+        if count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        self._skip = count
+
     def __iter__(self) -> Iterator[tuple[int, int]]:
         if self._started and not self._epoch_given:
             self.set_epoch(self.epoch + 1)
         self._started, self._epoch_given = True, False
-        epoch = self.epoch
-        return ((epoch, index) for index in self.inner)
+        epoch, skip, self._skip = self.epoch, self._skip, 0
+        return ((epoch, index) for index in itertools.islice(self.inner, skip, None))
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]

@@ -1,0 +1,252 @@
+"""Ranks agreeing about checkpoints: which one to resume from (load, send), how a save went.
+
+Without a shared file system only some ranks hold the newest checkpoint (the
+node that wrote it). Every rank lists what it holds; all agree on the newest
+complete one; its holders load it, checking every CRC; one of them sends it
+to the others over the process group (``ddpkit.transfer``). A file that does
+not load is reported and the next newest tried, so a damaged ``latest.pth``
+costs one checkpoint, not the run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ddpkit._docs import see
+from ddpkit.checkpoint_files import LATEST, Found, newest_first, read_header, scan
+from ddpkit.comm import all_gather_object, get_rank, get_world_size
+from ddpkit.parallel import unwrap_model
+from ddpkit.position import Position
+from ddpkit.rank0 import Rank0Error
+from ddpkit.rng import restore_rng_state
+from ddpkit.serialization import CheckpointError, MapLocation, load_checkpoint
+from ddpkit.snapshot import BackgroundWriter
+from ddpkit.transfer import broadcast_state
+
+__all__ = [
+    "Agreed",
+    "Restored",
+    "describe_error",
+    "load_newest",
+    "next_generation",
+    "raise_earlier_failure",
+    "restore_state",
+    "share_outcome",
+]
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What the ranks agreed on, as this rank sees it.
+
+    Attributes:
+        state: the loaded state (the same on every rank), or None when no rank
+            holds a checkpoint.
+        found: its header, or None.
+        source: the rank whose file was read (and sent to the others).
+        generation: the newest generation any rank's directory holds (0: none).
+        latest_damaged: this rank's ``latest.pth`` exists but cannot be loaded.
+        file: the file this rank read itself, or None (it was sent the state).
+    """
+
+    state: dict[str, Any] | None
+    found: Found | None
+    source: int
+    generation: int
+    latest_damaged: bool
+    file: Path | None
+
+
+def load_newest(directory: Path, path: Path | None, map_location: MapLocation) -> Agreed:
+    """Agree on the newest complete checkpoint (or the file ``path``) and load it on every rank.
+
+    All ranks must call this, or it deadlocks.
+
+    Raises:
+        CheckpointError: ``path`` is readable on no rank, or checkpoints exist
+            and none of them loads on any rank.
+    """
+    found, bad = scan(directory)
+    explicit = _header_at(path) if path is not None else None
+    views = all_gather_object((found, bad, explicit))
+    generation = max((f.generation for v in views for f in v[0]), default=0)
+    damaged = any(name == LATEST for name, _ in bad)
+    _warn_unreadable(views, directory)
+    if path is not None:
+        held = [(f, [r for r, v in enumerate(views) if v[2] == f])
+                for f in dict.fromkeys(v[2] for v in views if v[2] is not None)]  # fmt: skip
+        if not held:
+            raise CheckpointError(
+                f"resume: no rank can read a checkpoint at {path}; check the path on the node "
+                "that wrote it. " + see("checkpoints")
+            )
+        candidates = held[:1]
+    else:
+        candidates = newest_first([v[0] for v in views])
+    if not candidates:
+        unreadable = [f"{name} on rank {r} ({reason})" for r, v in enumerate(views)
+                      for name, reason in v[1]]  # fmt: skip
+        if unreadable:
+            raise CheckpointError(
+                f"no checkpoint in {directory} (or the other ranks' directories) is loadable: "
+                + "; ".join(unreadable)
+                + ". "
+                + see("checkpoints")
+            )
+        return Agreed(None, None, 0, generation, damaged, None)
+    rank, tried = get_rank(), []
+    for header, holders in candidates:
+        file = path if path is not None else directory / header.name
+        state, error = None, "not held"
+        if rank in holders:
+            try:
+                state, error = load_checkpoint(file, map_location), ""
+            except (CheckpointError, OSError) as exc:
+                error = str(exc)
+                damaged |= path is None and header.name == LATEST
+        outcome = all_gather_object(error)
+        good = [r for r in holders if outcome[r] == ""]
+        if not good:
+            tried.append(f"{header.describe()}: {outcome[holders[0]]}")
+            if rank == holders[0]:
+                warnings.warn(f"{outcome[holders[0]]}; trying an older checkpoint",
+                              RuntimeWarning, stacklevel=4)  # fmt: skip
+            continue
+        source = good[0]
+        if len(good) < get_world_size():
+            # Each rank holds one state: those that read the file too take the sent one.
+            state = broadcast_state(state if rank == source else None, source)
+        assert state is not None
+        return Agreed(state, header, source, generation, damaged, file if rank in good else None)
+    raise CheckpointError(
+        f"no checkpoint in {directory} (or the other ranks' directories) is loadable: "
+        + "; ".join(tried)
+        + ". "
+        + see("checkpoints")
+    )
+
+
+def next_generation(directory: Path) -> int:
+    """One more than any generation in the directories of all ranks (a collective)."""
+    found, _ = scan(directory)
+    mine = max((f.generation for f in found), default=0)
+    return max(all_gather_object(mine)) + 1
+
+
+def _header_at(path: Path) -> Found | None:
+    if not path.is_file():
+        return None
+    try:
+        return read_header(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _warn_unreadable(views: list[Any], directory: Path) -> None:
+    """Warn once per unreadable file, on the lowest rank that found it."""
+    rank, seen = get_rank(), set()
+    for r, (_, bad, _) in enumerate(views):
+        for name, reason in bad:
+            if (name, reason) in seen:
+                continue
+            seen.add((name, reason))
+            if r == rank:
+                warnings.warn(
+                    f"{directory / name} is damaged and cannot be loaded ({reason}); use an "
+                    "older checkpoint; trying an older checkpoint",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+
+
+def describe_error(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def raise_earlier_failure(
+    mine: BaseException | None, reports: list[str | None], writer: BackgroundWriter
+) -> None:
+    """Raise, on every rank, a background write that failed on any rank."""
+    failed = [(r, text) for r, text in enumerate(reports) if text is not None]
+    if not failed:
+        return
+    if mine is not None:
+        writer.wait()  # raises it here, once
+    rank, text = failed[0]
+    raise CheckpointError(
+        f"rank {rank} could not write its last checkpoint ({text}); the checkpoints before "
+        "it are intact. " + see("checkpoints")
+    )
+
+
+def share_outcome(error: BaseException | None, kind: str) -> None:
+    """A blocking save: every rank learns whether the writing ranks succeeded."""
+    report = None if error is None else (type(error).__qualname__, str(error), "")
+    verdicts = all_gather_object(report)
+    if error is not None:
+        raise error
+    for rank, verdict in enumerate(verdicts):
+        if verdict is None:
+            continue
+        if rank == 0:
+            raise Rank0Error(
+                f"rank 0 raised {verdict[0]}: {verdict[1]} (saving the {kind} checkpoint); rank "
+                f"{get_rank()} stops too rather than wait for it. Rank 0's traceback has the cause",
+                *verdict,
+            )
+        raise CheckpointError(f"rank {rank} could not write its copy of the {kind} checkpoint: "
+                              f"{verdict[0]}: {verdict[1]}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :func:`restore_state` read back besides the objects it loaded into."""
+
+    position: Position
+    loop: list[Any] | None
+    best_acc1: float | None
+    best_epoch: int | None
+
+
+def restore_state(
+    state: dict[str, Any], found: Found, model: nn.Module, parts: tuple[Any, ...], strict_rng: bool
+) -> Restored:
+    """Load ``state`` into ``model`` and ``parts`` (optimizer, scheduler, scaler; None: skipped).
+
+    This rank's RNG state is restored when the world size is the one that saved.
+
+    Raises:
+        CheckpointError: a part asked for is not in ``state``, or the world
+            size changed and ``strict_rng`` is True (with False: a warning).
+    """
+    names = ("optimizer", "scheduler", "scaler")
+    for name, obj in zip(names, parts, strict=True):
+        if obj is not None and state.get(name) is None:
+            raise CheckpointError(f"{found.name} holds no {name} state; pass {name}=None to resume")
+    saved, now = int(state["world_size"]), get_world_size()
+    if saved != now:
+        message = f"{found.name} holds RNG states for {saved} ranks and this job has {now}"
+        if strict_rng:
+            raise CheckpointError(f"{message}; pass strict_rng=False to resume without them")
+        warnings.warn(
+            f"{message}; resuming without restoring RNG state, so the run continues but "
+            "is not bit-exact with an uninterrupted one",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    unwrap_model(model).load_state_dict(state["model"])
+    for name, obj in zip(names, parts, strict=True):
+        if obj is not None:
+            obj.load_state_dict(state[name])
+    if saved == now:
+        restore_rng_state(state["rng"][get_rank()])
+    if "position" in state:
+        position = Position.from_dict(state["position"])
+    else:  # 0.1's format: an epoch end
+        position = Position(int(state["epoch"]) + 1, 0, 0, 0, saved)
+    return Restored(position, state.get("loop"), state.get("best_acc1"), state.get("best_epoch"))

@@ -1,0 +1,193 @@
+"""Finishing an interrupted epoch: the batches not yet seen, on any number of ranks, none twice.
+
+A step checkpoint says how far into its epoch the run got (``ddpkit.position``).
+On the same number of ranks the rest of the epoch is the rest of each rank's
+share, batch for batch, so the run continues bit-exactly; the sampler skips
+the indices already used, and no sample is read or decoded to skip it. On
+another number of ranks, the samples of the epoch's order not yet consumed
+are dealt out again: every one of them once, none of the consumed ones again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence, Sized
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler, set_epoch
+from ddpkit.position import Position
+
+__all__ = ["EpochBatches", "epoch_batches", "epoch_order", "remainder_batches"]
+
+logger = logging.getLogger("ddpkit")
+
+
+@dataclass(frozen=True)
+class EpochBatches:
+    """What is left of one epoch on this rank.
+
+    Attributes:
+        batches: iterate this for the remaining batches.
+        done: batches of the epoch consumed before (the position's ``batches``).
+        total: batches of the whole epoch on this rank, ``done`` included; None if unknown.
+        step_samples: samples over all ranks that each remaining batch consumes;
+            None when every batch takes ``batch_size x world_size``.
+    """
+
+    batches: Iterable[Any]
+    done: int
+    total: int | None
+    step_samples: Sequence[int] | None = None
+
+
+def epoch_batches(
+    loader: Iterable[Any], epoch: int, start: Position | None, *, world_size: int, rank: int
+) -> EpochBatches:
+    """The batches of ``epoch`` from ``start`` on (the whole epoch without one).
+
+    Calls :func:`set_epoch` on a DataLoader first. Run on every rank with the
+    same ``start``: every rank then gets the same number of batches.
+
+    Raises:
+        ValueError: ``start`` is mid-epoch on another number of ranks (or with
+            another batch size) and the loader's order cannot be known: it is
+            not a DataLoader with ``build_loader``'s or a ``DistributedSampler``.
+    """
+    if isinstance(loader, DataLoader):
+        set_epoch(loader, epoch)
+    if start is None or start.epoch != epoch or not start.mid_epoch:
+        return EpochBatches(loader, 0, _length(loader))
+    batch = loader.batch_size if isinstance(loader, DataLoader) else None
+    regular = (
+        start.world_size == world_size
+        and batch is not None
+        and start.samples == start.batches * batch * world_size
+    )
+    if not isinstance(loader, DataLoader) or batch is None:
+        if start.world_size != world_size:
+            raise ValueError(
+                f"cannot continue epoch {epoch} on {world_size} rank(s) from a checkpoint of "
+                f"{start.world_size}: the loader ({type(loader).__name__}) has no sampler "
+                "whose order is known; build it with ddpkit.build_loader"
+            )
+        logger.warning(
+            "resuming mid-epoch: the loader (%s) cannot skip without reading, so the %d "
+            "batches already done are read again and dropped; ddpkit.build_loader skips them",
+            type(loader).__name__,
+            start.batches,
+        )
+        return EpochBatches(itertools.islice(loader, start.batches, None), start.batches,
+                            _length(loader))  # fmt: skip
+    sampler = loader.sampler
+    if regular and isinstance(sampler, EpochIndexSampler) and _plain_batches(loader):
+        sampler.skip_next(start.batches * batch)
+        return EpochBatches(loader, start.batches, len(loader))
+    if regular:
+        # Another sampler: the rest of this rank's own share, cut as the loader would.
+        rest = list(sampler)[start.batches * batch :]
+        mine = [list(b) for b in BatchSampler(rest, batch, loader.drop_last)]
+        return EpochBatches(_loader_like(loader, mine), start.batches, start.batches + len(mine))
+    order = epoch_order(loader, epoch)
+    if order is None:
+        raise ValueError(
+            f"cannot continue epoch {epoch} on {world_size} rank(s) with batch size {batch} from "
+            f"a checkpoint of {start.world_size} rank(s): the order of the loader's "
+            f"{type(sampler).__name__} is unknown; build the loader with ddpkit.build_loader "
+            "or a DistributedSampler"
+        )
+    keys, indices = order
+    mine_idx, sizes, dropped = remainder_batches(indices[start.samples :], world_size, rank, batch)
+    if dropped:
+        logger.warning(
+            "the last %d sample(s) of epoch %d are left out: fewer remain than there are ranks",
+            dropped,
+            epoch,
+        )
+    mine = [[keys(i) for i in b] for b in mine_idx]
+    return EpochBatches(_loader_like(loader, mine), start.batches, start.batches + len(mine), sizes)
+
+
+def epoch_order(
+    loader: DataLoader[Any], epoch: int
+) -> tuple[Callable[[int], Any], list[int]] | None:
+    """The epoch's order of sample indices over all ranks, and how an index becomes a key.
+
+    ``DistributedSampler`` and :class:`EpochRandomSampler` draw the same
+    permutation of ``(seed, epoch)``; rank ``r`` of ``R`` takes its positions
+    ``r, r + R, ...``. None for a sampler whose order is unknown.
+    """
+    sampler: Any = loader.sampler
+    keys: Callable[[int], Any] = int
+    if isinstance(sampler, EpochIndexSampler):
+        sampler, keys = sampler.inner, lambda index: (epoch, index)
+    if isinstance(sampler, DistributedSampler):
+        n = len(sampler.dataset)  # type: ignore[arg-type]
+        if not sampler.shuffle:
+            return keys, list(range(n))
+        seed = sampler.seed
+    elif isinstance(sampler, EpochRandomSampler):
+        n, seed = len(sampler.data_source), sampler.seed
+    else:
+        return None
+    generator = torch.Generator().manual_seed(seed + epoch)
+    return keys, torch.randperm(n, generator=generator).tolist()
+
+
+def remainder_batches(
+    rest: Sequence[int], world_size: int, rank: int, batch: int
+) -> tuple[list[list[int]], list[int], int]:
+    """Deal ``rest`` (the epoch's unconsumed order) out to ``world_size`` ranks, each sample once.
+
+    Steps take ``batch x world_size`` samples in order, rank ``r`` taking
+    every ``world_size``-th from ``r``, as a ``DistributedSampler`` does. The
+    last step takes what is left; when that is under two per rank it joins the
+    step before, so no rank trains on a batch of one when it can be helped.
+    Every rank gets the same number of batches, so none waits in a collective.
+
+    Returns:
+        This rank's batches, the samples each step takes over all ranks, and
+        how many samples were left out (only when fewer remain than ranks).
+    """
+    m, per_step = len(rest), batch * world_size
+    if m < world_size:
+        return [], [], m
+    steps = math.ceil(m / per_step)
+    if steps > 1 and m - (steps - 1) * per_step < 2 * world_size:
+        steps -= 1
+    bounds = [j * per_step for j in range(steps)] + [m]
+    chunks = [rest[bounds[j] : bounds[j + 1]] for j in range(steps)]
+    return [list(c[rank::world_size]) for c in chunks], [len(c) for c in chunks], 0
+
+
+def _plain_batches(loader: DataLoader[Any]) -> bool:
+    return (
+        type(loader.batch_sampler) is BatchSampler
+        and loader.batch_sampler.sampler is loader.sampler
+    )
+
+
+def _loader_like(loader: DataLoader[Any], batches: list[list[Any]]) -> DataLoader[Any]:
+    """A one-epoch DataLoader over ``batches`` that reads like ``loader``."""
+    workers = loader.num_workers
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=batches,
+        num_workers=workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context if workers else None,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if workers else None,
+    )
+
+
+def _length(loader: Iterable[Any]) -> int | None:
+    return len(loader) if isinstance(loader, Sized) else None

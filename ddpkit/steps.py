@@ -1,0 +1,312 @@
+"""One training epoch from any position: its steps, and between them the saves, stops, heartbeats.
+
+``fit`` builds a :class:`Run` once and calls :func:`train_epoch` per epoch.
+Between two optimizer steps every rank asks ``StepControl`` (one store call)
+whether to save a step checkpoint or stop, tells the hang watchdog it moved
+on, and nothing else: the per-step cost over a hand-written loop is that call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ddpkit import comm
+from ddpkit._docs import see
+from ddpkit.checkpoint import CheckpointManager
+from ddpkit.control import Preempted, StepControl, Stop
+from ddpkit.data.resume import epoch_batches
+from ddpkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ddpkit.evaluation import AMP_DTYPES, Amp, Criterion, Normalize, autocast, to_device
+from ddpkit.parallel import no_sync
+from ddpkit.position import Position
+from ddpkit.reporting import Reporter
+from ddpkit.serialization import CheckpointError
+
+__all__ = ["Run", "TrainConfig", "TrainingError", "stop_now", "train_epoch"]
+
+logger = logging.getLogger("ddpkit")
+
+# How often (in optimizer steps) rank 0 refreshes the progress bar; each
+# refresh reads the running loss from the device, a host sync.
+_REFRESH_STEPS = 20
+# How many losses the non-finite check examines together, in a few kernels.
+_FINITE_BATCH = 32
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss); the message names the epoch and step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How :func:`ddpkit.fit` runs each training step.
+
+    Attributes:
+        amp: ``"bf16"`` or ``"fp16"`` autocast; fp16 uses a GradScaler whose
+            state is checkpointed. None: full precision.
+        grad_accum: micro-batches per optimizer step, at least 1.
+        clip_grad_norm: clip the total gradient norm to this value (> 0).
+        scheduler_per_step: step the scheduler after each optimizer step
+            instead of after each epoch.
+        normalize: ``(mean, std)`` for uint8 batches, applied on the device;
+            None leaves batches as they come.
+        device: where batches go; default: the model's parameters' device.
+
+    Raises:
+        ValueError: a value out of range; the message names it.
+    """
+
+    amp: Amp | None = None
+    grad_accum: int = 1
+    clip_grad_norm: float | None = None
+    scheduler_per_step: bool = False
+    normalize: Normalize | None = (IMAGENET_MEAN, IMAGENET_STD)
+    device: torch.device | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.amp is not None and self.amp not in AMP_DTYPES:
+            raise ValueError(f"amp must be 'bf16', 'fp16' or None, got {self.amp!r}")
+        if isinstance(self.grad_accum, bool) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}")
+        if self.normalize is not None and len(self.normalize[0]) != len(self.normalize[1]):
+            raise ValueError(
+                f"normalize=(mean, std) needs as many means as stds, got {self.normalize}"
+            )
+
+
+@dataclass
+class Run:
+    """What stays the same over the epochs of one ``fit`` call, and the step count."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    criterion: Criterion
+    config: TrainConfig
+    device: torch.device
+    scaler: torch.amp.GradScaler | None
+    scheduler: Any
+    checkpoints: CheckpointManager | None
+    control: StepControl
+    reporter: Reporter
+    watchdog: Any = None
+    world_size: int = 1
+    rank: int = 0
+    step: int = 0  # optimizer steps since the run began, over all epochs
+
+    def tick(self, phase: str) -> None:
+        """Tell the hang watchdog where this rank is."""
+        if self.watchdog is not None:
+            self.watchdog.progress(self.step, phase)
+
+    def update(self, images: torch.Tensor, targets: torch.Tensor, update: bool) -> torch.Tensor:
+        """One micro-batch: forward and backward; with ``update``, the optimizer step."""
+        config, scaler = self.config, self.scaler
+        # Only the micro-step that completes an update all-reduces gradients.
+        with no_sync(self.model, enabled=not update), autocast(self.device, config.amp):
+            loss = self.criterion(self.model(images), targets)
+        # Dividing by 1 would add a kernel and an autograd node to every step.
+        scaled = loss / config.grad_accum if config.grad_accum > 1 else loss
+        if scaler is not None:
+            scaler.scale(scaled).backward()  # type: ignore[no-untyped-call]
+        else:
+            scaled.backward()  # type: ignore[no-untyped-call]
+        if update:
+            if config.clip_grad_norm is not None:
+                if scaler is not None:
+                    scaler.unscale_(self.optimizer)
+                nn.utils.clip_grad_norm_(self.model.parameters(), config.clip_grad_norm)
+            if scaler is not None:
+                scaler.step(self.optimizer)
+                scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def train_epoch(
+    run: Run, loader: Iterable[Any], epoch: int, epochs: int, start: Position | None, carried: Any
+) -> dict[str, Any]:
+    """Train ``epoch`` from ``start`` (its beginning when None); return the epoch's record.
+
+    ``carried`` is this rank's running totals saved with ``start`` (or None).
+
+    Raises:
+        Preempted: a stop signal: every rank stopped after the same step and
+            the ranks that write saved ``interrupted.pth``.
+        CheckpointError: a background checkpoint write failed on some rank.
+        TrainingError: a non-finite loss.
+    """
+    part = epoch_batches(loader, epoch, start, world_size=run.world_size, rank=run.rank)
+    run.model.train()
+    config, dev, world = run.config, run.device, run.world_size
+    batch = loader.batch_size if isinstance(loader, DataLoader) else None
+    bar = run.reporter.progress_bar(part.total, f"epoch {epoch + 1}/{epochs}")
+    if bar is not None and part.done:
+        bar.update(part.done)
+    carried = carried or {}
+    loss_sum = torch.full((), float(carried.get("loss_sum", 0.0)), dtype=torch.float64, device=dev)
+    finite = _FiniteCheck(dev)
+    samples, before = int(carried.get("samples", 0)), float(carried.get("seconds", 0.0))
+    consumed = start.samples if start is not None and start.epoch == epoch else 0
+    began = time.perf_counter()
+
+    def totals() -> dict[str, Any]:
+        return {"loss_sum": float(loss_sum.item()), "samples": samples,
+                "seconds": before + time.perf_counter() - began}  # fmt: skip
+
+    i, k = part.done - 1, 0
+    batches = iter(part.batches)
+    while True:
+        run.tick("data")
+        try:
+            images, targets = next(batches)
+        except StopIteration:
+            break
+        run.tick("compute")
+        i += 1
+        images, targets = to_device(images, targets, dev, config.normalize)
+        last = part.total is not None and i + 1 == part.total
+        update = (i + 1) % config.grad_accum == 0 or last
+        loss = run.update(images, targets, update)
+        n = targets.shape[0]
+        # One kernel. A float32 loss times a count is exact in float64: the same sum as
+        # adding ``loss.double() * n``.
+        loss_sum.add_(loss, alpha=n)
+        finite.add(i, loss)
+        samples += n
+        consumed += part.step_samples[k] if part.step_samples else (batch or n) * world
+        k += 1
+        if update:
+            run.step += 1
+            if run.scheduler is not None and config.scheduler_per_step:
+                run.scheduler.step()
+            run.tick("done")
+            _between_steps(run, Position(epoch, i + 1, consumed, run.step, world), last, totals)
+        if bar is not None and (i % _REFRESH_STEPS == 0 or last):
+            finite.check(epoch)
+            bar.set_postfix(loss=f"{loss_sum.item() / max(samples, 1):.4f}", refresh=False)
+            bar.update(i + 1 - bar.n)
+    if i >= part.done and (i + 1) % config.grad_accum != 0 and part.total is None:
+        # An unsized loader ended mid-accumulation: apply what was accumulated.
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+    seconds = before + time.perf_counter() - began
+    if bar is not None:
+        bar.close()
+    finite.check(epoch)
+    total = comm.all_reduce_sum(
+        torch.stack([loss_sum, torch.tensor(float(samples), device=dev, dtype=torch.float64)])
+    )
+    global_samples = int(total[1].item())
+    return {
+        "epoch": epoch,
+        "train_loss": float(total[0].item()) / max(global_samples, 1),
+        "train_samples": global_samples,
+        "train_images_per_sec": global_samples / max(seconds, 1e-9),
+        "lr": float(run.optimizer.param_groups[0]["lr"]),
+        "seconds": seconds,
+    }
+
+
+def _between_steps(
+    run: Run, position: Position, last: bool, totals: Callable[[], dict[str, Any]]
+) -> None:
+    manager = run.checkpoints
+    if manager is not None and manager.write_error is not None:
+        error = manager.write_error
+        run.control.request_stop(f"rank {run.rank}: {type(error).__name__}: {error}")
+    actions = run.control.after_step(run.step)
+    if actions.stop is not None:
+        stop_now(run, actions.stop, position, totals())
+    # The epoch's own checkpoint follows its last step: no step checkpoint there.
+    if manager is not None and not last and (actions.save or manager.step_due(run.step)):
+        run.tick("save")
+        manager.save_step(position, run.model, run.optimizer, run.scheduler, run.scaler,
+                          loop=totals(), block=False)  # fmt: skip
+        run.control.saved()
+
+
+def stop_now(run: Run, stop: Stop, position: Position | None, totals: Any) -> None:
+    """End training on every rank: save ``interrupted.pth`` for a signal, raise either way.
+
+    ``position`` None: the epoch's checkpoint just taken is the one to resume from.
+    """
+    manager = run.checkpoints
+    if stop.kind == "error":
+        if manager is not None:
+            manager.wait()  # the rank whose write failed raises its own error here
+        raise CheckpointError(
+            f"a checkpoint write failed ({stop.detail}), so every rank stops; the checkpoints "
+            "written before it are intact. " + see("checkpoints")
+        )
+    path = None
+    if manager is not None:
+        if position is not None:
+            path = manager.save_step(position, run.model, run.optimizer, run.scheduler,
+                                     run.scaler, kind="interrupted", loop=totals)  # fmt: skip
+        else:
+            manager.flush()
+            path = manager.latest_path if manager.writes else None
+    logger.warning(
+        "stopped by %s after step %d%s; resume to continue (exit status %d)",
+        stop.detail,
+        run.step,
+        f", checkpoint {path}" if path is not None else "",
+        Preempted(stop.detail).code,
+    )
+    raise Preempted(stop.detail, str(path) if path is not None else None, run.step)
+
+
+class _FiniteCheck:
+    """The epoch's first micro-batch whose loss was not finite, found on the device.
+
+    Each loss is only kept (a detached scalar); every ``_FINITE_BATCH`` of them
+    are examined together in a few kernels, with no host sync, so a step adds
+    no kernel launch of its own. :meth:`check` examines the rest and syncs once.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._first = torch.full((), -1, dtype=torch.int64, device=device)
+        self._losses: list[torch.Tensor] = []
+        self._start = 0  # the micro-batch index of self._losses[0]
+
+    def add(self, index: int, loss: torch.Tensor) -> None:
+        """Keep the loss of micro-batch ``index`` (one more than the previous one's)."""
+        if not self._losses:
+            self._start = index
+        self._losses.append(loss)
+        if len(self._losses) == _FINITE_BATCH:
+            self._examine()
+
+    def _examine(self) -> None:
+        if not self._losses:
+            return
+        bad = ~torch.isfinite(torch.stack(self._losses))
+        self._losses.clear()
+        # argmax finds the first bad one; an earlier find is kept.
+        found = torch.where(bad.any(), bad.byte().argmax() + self._start, -1)
+        self._first = torch.where(self._first < 0, found, self._first)
+
+    def check(self, epoch: int) -> None:
+        """Raise :class:`TrainingError` if a loss so far was not finite (one host sync)."""
+        self._examine()
+        bad = int(self._first.item())
+        if bad < 0:
+            return
+        raise TrainingError(
+            f"the loss was not finite (nan or inf) in epoch {epoch}, step {bad} on rank "
+            f"{comm.get_rank()}. Lower the learning rate, train in bf16 (or fp16, which scales "
+            "the loss) or check the inputs; the last checkpoint is from before this step. "
+            + see("training-load_pretrained-wrap_ddp-focalloss-fit")
+        )

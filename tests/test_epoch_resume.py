@@ -1,0 +1,163 @@
+"""ddpkit.data.resume: the rest of an interrupted epoch, on the same or another number of ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ddpkit import DistInfo, Position, build_loader
+from ddpkit.data.resume import epoch_batches, epoch_order, remainder_batches
+from ddpkit.data.samplers import EpochRandomSampler
+
+
+class Recorded(Dataset[tuple[torch.Tensor, int]]):
+    """Samples that are their own index, and a list of every index read."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.read: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        self.read.append(index)
+        return torch.tensor([float(index)]), index
+
+
+def _info(world: int, rank: int) -> DistInfo:
+    return DistInfo(rank, rank, world, world, 0, torch.device("cpu"), "gloo", world > 1)
+
+
+def _loader(n: int, world: int, rank: int, batch: int, **kw: Any) -> DataLoader[Any]:
+    return build_loader(Recorded(n), batch_size=batch, train=True, workers=0, seed=3,
+                        info=_info(world, rank), **kw)  # fmt: skip
+
+
+def _indices(batches: Any) -> list[list[int]]:
+    return [b[1].tolist() for b in batches]
+
+
+@pytest.mark.parametrize("rest_len", [0, 1, 2, 3, 5, 7, 11, 12, 13, 24, 25, 26, 37])
+@pytest.mark.parametrize(("world", "batch"), [(1, 4), (2, 4), (3, 4), (3, 1), (4, 3)])
+def test_the_remainder_covers_each_sample_once_with_equal_batch_counts(
+    rest_len: int, world: int, batch: int
+) -> None:
+    rest = list(range(100, 100 + rest_len))
+    shares = [remainder_batches(rest, world, r, batch) for r in range(world)]
+    counts = {len(b) for b, _, _ in shares}
+    assert len(counts) == 1  # every rank takes part in every step: no collective waits
+    dropped = shares[0][2]
+    dealt = [i for b, _, _ in shares for step in b for i in step]
+    assert len(dealt) == len(set(dealt)) == rest_len - dropped
+    assert set(dealt) | set(rest[len(rest) - dropped :]) == set(rest)
+    assert dropped == (rest_len if rest_len < world else 0)
+    sizes = shares[0][1]
+    assert sum(sizes) == len(dealt)
+    for step, size in enumerate(sizes):
+        assert sum(len(b[step]) for b, _, _ in shares) == size
+        assert all(len(b[step]) >= 1 for b, _, _ in shares)
+
+
+def test_distributed_and_single_process_orders_are_one_permutation() -> None:
+    data = list(range(50))
+    for epoch in range(3):
+        single = EpochRandomSampler(data, 3)
+        single.set_epoch(epoch)
+        whole = list(single)
+        for world in (2, 3):
+            for rank in range(world):
+                d = DistributedSampler(data, num_replicas=world, rank=rank, seed=3)
+                d.set_epoch(epoch)
+                assert list(d) == (whole + whole)[rank : len(d) * world : world]
+        assert epoch_order(_loader(50, 1, 0, 4), epoch) is not None
+        keys, order = epoch_order(_loader(50, 2, 1, 4), epoch)  # type: ignore[misc]
+        assert order == whole
+        assert keys(5) == (epoch, 5)
+
+
+@pytest.mark.parametrize("done", [0, 1, 3, 6])
+def test_same_ranks_continue_batch_for_batch_without_reading_the_skipped(done: int) -> None:
+    for rank in range(2):
+        whole = _loader(50, 2, rank, 4)
+        full = _indices(epoch_batches(whole, 2, None, world_size=2, rank=rank).batches)
+        resumed = _loader(50, 2, rank, 4)
+        start = Position(epoch=2, batches=done, samples=done * 4 * 2, step=17, world_size=2)
+        part = epoch_batches(resumed, 2, start, world_size=2, rank=rank)
+        assert part.done == done
+        assert part.total == len(full) == 6
+        assert _indices(part.batches) == full[done:]
+        assert sorted(resumed.dataset.dataset.read) == sorted(i for b in full[done:] for i in b)
+        # The loader's next epoch is whole again.
+        assert len(_indices(epoch_batches(resumed, 3, None, world_size=2, rank=rank).batches)) == 6
+
+
+@pytest.mark.parametrize("new_world", [1, 3])
+@pytest.mark.parametrize("done", [1, 2, 5])
+def test_other_ranks_finish_the_epoch_with_exactly_the_unseen_samples(
+    new_world: int, done: int
+) -> None:
+    n, epoch = 50, 1
+    seen = []
+    for rank in range(2):
+        before = _loader(n, 2, rank, 4)
+        batches = _indices(epoch_batches(before, epoch, None, world_size=2, rank=rank).batches)
+        seen += [i for b in batches[:done] for i in b]
+    start = Position(epoch=epoch, batches=done, samples=done * 4 * 2, step=9, world_size=2)
+    after, counts = [], set()
+    for rank in range(new_world):
+        loader = _loader(n, new_world, rank, 4)
+        part = epoch_batches(loader, epoch, start, world_size=new_world, rank=rank)
+        got = _indices(part.batches)
+        counts.add(len(got))
+        assert part.step_samples is not None
+        assert len(part.step_samples) == len(got)
+        after += [i for b in got for i in b]
+        assert sorted(loader.dataset.dataset.read) == sorted(i for b in got for i in b)
+    assert len(counts) == 1
+    assert len(after) == len(set(after))  # none twice
+    assert not set(after) & set(seen)  # none of those already seen
+    assert set(after) | set(seen) == set(range(n))  # none skipped
+
+
+def test_a_plain_distributed_sampler_resumes_too() -> None:
+    data = Recorded(40)
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, seed=0)
+    loader = DataLoader(data, batch_size=4, sampler=sampler, drop_last=True)
+    full = _indices(epoch_batches(loader, 0, None, world_size=2, rank=1).batches)
+    data.read.clear()
+    start = Position(epoch=0, batches=2, samples=16, step=2, world_size=2)
+    part = epoch_batches(loader, 0, start, world_size=2, rank=1)
+    assert _indices(part.batches) == full[2:]
+    assert sorted(data.read) == sorted(i for b in full[2:] for i in b)
+    other = epoch_batches(loader, 0, start, world_size=1, rank=0)
+    assert len({i for b in _indices(other.batches) for i in b}) == 40 - 16
+
+
+def test_a_loader_without_a_known_order_cannot_change_ranks() -> None:
+    batches = [(torch.zeros(2, 1), torch.tensor([i, i])) for i in range(5)]
+    start = Position(epoch=0, batches=2, samples=8, step=2, world_size=2)
+    part = epoch_batches(batches, 0, start, world_size=2, rank=0)
+    assert [b[1][0].item() for b in part.batches] == [2, 3, 4]
+    with pytest.raises(ValueError, match=r"on 3 rank\(s\) from a checkpoint of 2"):
+        epoch_batches(batches, 0, start, world_size=3, rank=0)
+    loader = DataLoader(Recorded(20), batch_size=2)  # a SequentialSampler: no epoch order known
+    with pytest.raises(ValueError, match="build_loader"):
+        epoch_batches(loader, 0, Position(0, 1, 4, 1, 2), world_size=3, rank=0)
+
+
+def test_skip_next_applies_to_one_epoch_only() -> None:
+    loader = _loader(20, 1, 0, 2)
+    sampler = loader.sampler
+    sampler.set_epoch(0)
+    whole = list(sampler)
+    sampler.skip_next(5)
+    sampler.set_epoch(0)
+    assert list(sampler) == whole[5:]
+    sampler.set_epoch(0)
+    assert list(sampler) == whole
+    with pytest.raises(ValueError, match="count"):
+        sampler.skip_next(-1)
