@@ -94,7 +94,12 @@ class Found:
         return (self.generation, self.step, _KIND_ORDER.get(self.kind, 0))
 
     def describe(self) -> str:
-        return f"{self.name} ({self.kind}, epoch {self.epoch}, step {self.step})"
+        where = (
+            f"end of epoch {self.epoch + 1}"
+            if self.kind == "epoch"
+            else f"in epoch {self.epoch + 1}"
+        )
+        return f"{self.name} ({self.kind}: {where}, step {self.step})"
 
 
 def read_header(path: Path) -> Found:
@@ -203,7 +208,8 @@ def write_files(
         return path
     if kind == "epoch":
         epoch = clean["epoch"]
-        name = f"{prefix}-epoch{epoch}-acc{clean['acc1'] or 0.0:.2f}.pth"
+        # Files and reports count epochs from 1: "epoch 1" is the first.
+        name = f"{prefix}-epoch{epoch + 1}-acc{clean['acc1'] or 0.0:.2f}.pth"
         epoch_path = directory / name
         save_checkpoint(clean["model"], epoch_path)
         if best:
@@ -212,11 +218,15 @@ def write_files(
         if rotate:
             _rotate(path, clean["snapshot"])
         replace_atomic(path, full, payload_bytes(clean))
-        _prune_weights(directory, prefix, keep_last, epoch, name, clean["best_epoch"])
-        logger.info("saved epoch %d: %s and %s", epoch, path, epoch_path)
+        best_epoch = clean["best_epoch"]
+        _prune_weights(directory, prefix, keep_last, epoch + 1, name,
+                       None if best_epoch is None else best_epoch + 1)  # fmt: skip
+        logger.info("saved epoch %d: %s and %s", epoch + 1, path, epoch_path)
     else:
         replace_atomic(path, full, payload_bytes(clean))
-        logger.info("saved %s (epoch %d, step %d)", path, position["epoch"], position["step"])
+        logger.info(
+            "saved %s (in epoch %d, step %d)", path, position["epoch"] + 1, position["step"]
+        )
     prune_steps(directory, keep_steps, clean["generation"], position["step"])
     return path
 
@@ -224,6 +234,7 @@ def write_files(
 def _prune_weights(
     directory: Path, prefix: str, keep_last: int, epoch: int, current: str, best_epoch: int | None
 ) -> None:
+    """Keep the weight files of the last ``keep_last`` epochs and the best (numbers from 1)."""
     pattern = re.compile(rf"{re.escape(prefix)}-epoch(\d+)-acc.*\.pth")
     found = []
     for path in directory.iterdir():

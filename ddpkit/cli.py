@@ -23,7 +23,22 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_doctor(commands)
     _add_lmdb(commands)
+    _add_plot(commands)
     return parser
+
+
+def _add_plot(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    plot = commands.add_parser(
+        "plot",
+        help="draw a run's learning curves into a PNG",
+        description="Draw the learning curves of a run from its metrics.jsonl (the log_dir "
+        "of fit, the checkpoint directory of the example): loss, top-1/top-5, learning "
+        "rate, images/s and the time spent waiting for data, per epoch. Needs matplotlib: "
+        "pip install 'ddpkit[plot]'.",
+    )
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="the directory holding metrics.jsonl")
+    plot.add_argument("-o", "--output", metavar="PNG", help="default: RUN_DIR/curves.png")
+    plot.set_defaults(func=_run_plot, command_parser=plot)
 
 
 def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -47,7 +62,7 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=3.0,
         help="seconds to wait for a TCP connection to the master (default: 3)",
     )
-    doctor.set_defaults(func=_run_doctor)
+    doctor.set_defaults(func=_run_doctor, command_parser=doctor)
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
@@ -76,8 +91,9 @@ def _add_lmdb(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "build",
         help="write SOURCE's images and labels into a new database at OUTPUT",
         description="Write SOURCE's images and labels into a new database at OUTPUT. SOURCE "
-        "is an ImageFolder tree, a list file ('path,label' or 'path label' lines) or a Parquet "
-        "file or directory. Nothing appears at OUTPUT unless the build completes.",
+        "is an ImageFolder tree, a list file ('path,label' or 'path label' lines; the labels "
+        "all integer indices or all class names) or a Parquet file or directory. Nothing "
+        "appears at OUTPUT unless the build completes.",
     )
     build.add_argument("source", metavar="SOURCE")
     build.add_argument("output", metavar="OUTPUT")
@@ -91,7 +107,9 @@ def _add_lmdb(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     build.add_argument("--root", help="list files: base directory of relative paths")
     build.add_argument("--image-column", default="image", help="Parquet image column")
     build.add_argument("--label-column", default="label", help="Parquet label column")
-    build.add_argument("--workers", type=int, help="reading threads (default: usable CPUs)")
+    build.add_argument(
+        "-j", "-w", "--workers", type=int, help="reading threads (default: usable CPUs)"
+    )
     build.add_argument(
         "--max-side", type=int, metavar="PX", help="shrink larger images to this longer side"
     )
@@ -124,20 +142,36 @@ def _add_lmdb(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         action="store_true",
         help="write a database even when no image could be stored (an error otherwise)",
     )
-    build.add_argument("--no-progress", action="store_true", help="no progress bar")
-    build.set_defaults(func=_run_lmdb_build)
+    _add_no_progress(build)
+    build.set_defaults(func=_run_lmdb_build, command_parser=build)
 
     info = actions.add_parser("info", help="describe a database")
     info.add_argument("path", metavar="PATH")
     info.add_argument("--json", action="store_true", help="print the description as JSON")
-    info.set_defaults(func=_run_lmdb_info)
+    info.set_defaults(func=_run_lmdb_info, command_parser=info)
 
     verify = actions.add_parser(
         "verify", help="decode every image of a database; exits 1 if any fails"
     )
     verify.add_argument("path", metavar="PATH")
-    verify.add_argument("--workers", type=int, help="decoding threads (default: usable CPUs)")
-    verify.set_defaults(func=_run_lmdb_verify)
+    verify.add_argument(
+        "-j", "-w", "--workers", type=int, help="decoding threads (default: usable CPUs)"
+    )
+    _add_no_progress(verify)
+    verify.set_defaults(func=_run_lmdb_verify, command_parser=verify)
+
+
+def _add_no_progress(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (there is none either when stderr is not a terminal)",
+    )
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    # A bar redrawn with \r is noise in a log file or a pipe.
+    return not args.no_progress and sys.stderr.isatty()
 
 
 def _seconds(text: str) -> float:
@@ -192,7 +226,7 @@ def _run_lmdb_build(args: argparse.Namespace) -> int:
         on_error=args.on_error,
         map_size=args.map_size,
         overwrite=args.overwrite,
-        progress=not args.no_progress,
+        progress=_progress(args),
         allow_empty=args.allow_empty,
     )
     for where, reason in summary.skipped:
@@ -231,7 +265,7 @@ def _run_lmdb_info(args: argparse.Namespace) -> int:
 def _run_lmdb_verify(args: argparse.Namespace) -> int:
     from ddpkit.data.lmdb_inspect import verify_report
 
-    report = verify_report(args.path, workers=args.workers, progress=sys.stderr.isatty())
+    report = verify_report(args.path, workers=args.workers, progress=_progress(args))
     for bad in report.bad:
         where = f" ({bad.path})" if bad.path else ""
         print(f"index {bad.index}{where}: {bad.reason}")
@@ -242,10 +276,27 @@ def _run_lmdb_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+@_reporting_errors
+def _run_plot(args: argparse.Namespace) -> int:
+    from ddpkit.plotting import PlotUnavailable, plot_run
+
+    try:
+        out = plot_run(args.run_dir, args.output)
+    except PlotUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ddpkit`` console script; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # parse_args would print the top-level usage; the sub-command's is the helpful one.
+        command: argparse.ArgumentParser = getattr(args, "command_parser", parser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     # Each sub-command registers its handler as ``func``: handler(args) -> exit code.
     handler = getattr(args, "func", None)
     if handler is None:

@@ -29,6 +29,7 @@ logger = logging.getLogger("ddpkit")
 _HEAD_NAMES = ("last_linear", "fc", "classifier", "head")
 # Prefixes that wrappers add to parameter names: DDP / DataParallel and torch.compile.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_REPR_NAMES = 5  # PretrainedReport's repr lists a field's names up to this many, else counts
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,15 @@ class PretrainedReport:
     loaded: list[str]
     skipped: list[str]
     missing: list[str]
+
+    def __repr__(self) -> str:
+        # A backbone has hundreds of names: a count says enough, a few names say more.
+        parts = (f"{name}={_few(getattr(self, name))}" for name in ("loaded", "skipped", "missing"))
+        return f"PretrainedReport({', '.join(parts)})"
+
+
+def _few(names: list[str]) -> str:
+    return repr(names) if 0 < len(names) <= _REPR_NAMES else str(len(names))
 
 
 def load_pretrained(

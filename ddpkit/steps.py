@@ -158,21 +158,24 @@ def train_epoch(
     loss_sum = torch.full((), float(carried.get("loss_sum", 0.0)), dtype=torch.float64, device=dev)
     finite = _FiniteCheck(dev)
     samples, before = int(carried.get("samples", 0)), float(carried.get("seconds", 0.0))
+    waited = float(carried.get("data_seconds", 0.0))  # time spent waiting for batches
     consumed = start.samples if start is not None and start.epoch == epoch else 0
     began = time.perf_counter()
 
     def totals() -> dict[str, Any]:
-        return {"loss_sum": float(loss_sum.item()), "samples": samples,
+        return {"loss_sum": float(loss_sum.item()), "samples": samples, "data_seconds": waited,
                 "seconds": before + time.perf_counter() - began}  # fmt: skip
 
     i, k = part.done - 1, 0
     batches = iter(part.batches)
     while True:
         run.tick("data")
+        asked = time.perf_counter()
         try:
             images, targets = next(batches)
         except StopIteration:
             break
+        waited += time.perf_counter() - asked
         run.tick("compute")
         i += 1
         images, targets = to_device(images, targets, dev, config.normalize)
@@ -205,17 +208,19 @@ def train_epoch(
     if bar is not None:
         bar.close()
     finite.check(epoch)
+    counts = [float(samples), waited, seconds]
     total = comm.all_reduce_sum(
-        torch.stack([loss_sum, torch.tensor(float(samples), device=dev, dtype=torch.float64)])
+        torch.cat([loss_sum[None], torch.tensor(counts, device=dev, dtype=torch.float64)])
     )
     global_samples = int(total[1].item())
     return {
-        "epoch": epoch,
+        "epoch": epoch + 1,  # what a person reads counts from 1: the bar, lines, files
         "train_loss": float(total[0].item()) / max(global_samples, 1),
         "train_samples": global_samples,
         "train_images_per_sec": global_samples / max(seconds, 1e-9),
         "lr": float(run.optimizer.param_groups[0]["lr"]),
         "seconds": seconds,
+        "data_wait": float(total[2].item()) / max(float(total[3].item()), 1e-9),
     }
 
 

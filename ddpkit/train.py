@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 import math
 import os
 import secrets
+import sys
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -198,9 +201,6 @@ def fit(
         checkpoints.resume(model, optimizer, scheduler, scaler, path=path, strict_rng=False)
         start = checkpoints.position
         carried = _carried(checkpoints.loop, start, world, rank)
-        if start is not None:
-            logger.info("resuming at epoch %d, batch %d (step %d)", start.epoch, start.batches,
-                        start.step)  # fmt: skip
     history = History()
     store = _control_store(world, rank)
     interval = checkpoints.every_minutes if checkpoints is not None else None
@@ -215,17 +215,26 @@ def fit(
             watchdog = stack.enter_context(HangWatchdog(timeout=faults.hang_timeout))
         reporter = Reporter(report, is_main=comm.is_main_process())
         stack.callback(reporter.close)
+        reporter.start(_header(world, epochs, config), resumed=start is not None)
+        if start is not None and start.epoch >= epochs:
+            reporter.say(f"nothing to do: finished at epoch {start.epoch} of {epochs}")
+        elif start is not None:
+            reporter.say(f"resuming at epoch {start.epoch + 1} step {start.step} "
+                         f"({start.batches} batches of the epoch done)")  # fmt: skip
+        _check_batches(train_loader, world)
         run = Run(model, optimizer, criterion, config, dev, scaler, scheduler, checkpoints,
                   control, reporter, watchdog, world, rank,
                   start.step if start is not None else 0)  # fmt: skip
         try:
             first = start.epoch if start is not None else 0
             for epoch in range(first, epochs):
+                began = time.perf_counter()
                 record = train_epoch(run, train_loader, epoch, epochs,
                                      start, carried if epoch == first else None)  # fmt: skip
-                _finish_epoch(run, record, epoch, val_loader, callbacks, history)
+                _finish_epoch(run, record, epoch, epochs, val_loader, callbacks, history, began)
             if checkpoints is not None:
                 checkpoints.flush()  # every rank learns whether the last write failed
+            reporter.finish(history.records)
         except BaseException:
             if checkpoints is not None:
                 checkpoints.wait(raise_error=False)  # the file being written is completed
@@ -237,9 +246,11 @@ def _finish_epoch(
     run: Run,
     record: dict[str, Any],
     epoch: int,
+    epochs: int,
     val_loader: Iterable[Any] | None,
     callbacks: Sequence[Callable[[dict[str, Any]], None]],
     history: History,
+    began: float,
 ) -> None:
     """Validate, step the scheduler, report, save the epoch checkpoint, stop if asked."""
     config = run.config
@@ -249,8 +260,9 @@ def _finish_epoch(
         record.update({f"val_{k}": v for k, v in val.items()})
     if run.scheduler is not None and not config.scheduler_per_step:
         run.scheduler.step()
+    record["wall_seconds"] = time.perf_counter() - began
     history.records.append(record)
-    run.reporter.epoch(record)
+    run.reporter.epoch(record, epochs)
     for callback in callbacks:
         callback(record)
     manager = run.checkpoints
@@ -282,8 +294,48 @@ def _carried(loop: Any, start: Position | None, world: int, rank: int) -> Any:
         return None
     entries = [e for e in loop if e]
     return {key: sum(e.get(key, 0) for e in entries) for key in ("loss_sum", "samples")} | {
-        "seconds": max((e.get("seconds", 0.0) for e in entries), default=0.0)
+        key: max((e.get(key, 0.0) for e in entries), default=0.0)
+        for key in ("seconds", "data_seconds")
     }
+
+
+def _header(world: int, epochs: int, config: TrainConfig) -> dict[str, Any]:
+    """What ``metrics.jsonl`` records about a run when it starts."""
+    import torchvision
+
+    from ddpkit._version import __version__
+
+    return {
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "world_size": world,
+        "epochs": epochs,
+        "config": {k: repr(v) for k, v in dataclasses.asdict(config).items()},
+        "versions": {
+            "ddpkit": __version__,
+            "torch": torch.__version__,
+            "torchvision": torchvision.__version__,
+        },
+    }
+
+
+def _check_batches(loader: Iterable[Any], world: int) -> None:
+    """Refuse a training loader that yields no batch, before anything is trained or saved."""
+    try:
+        count = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return  # an iterable without a length: nothing to check
+    if count > 0:
+        return
+    batch = getattr(loader, "batch_size", None)
+    drop = getattr(loader, "drop_last", None)
+    data = getattr(loader, "dataset", None)
+    size = len(data) if data is not None and hasattr(data, "__len__") else "?"
+    raise ValueError(
+        f"the training loader yields no batch: the dataset has {size} samples, a batch is "
+        f"{batch} per process x {world} process(es), drop_last={drop}. Lower the batch size "
+        "(or use more data); with drop_last=False a short last batch is kept"
+    )
 
 
 def _control_store(world: int, rank: int) -> Any:

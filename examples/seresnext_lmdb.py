@@ -8,18 +8,23 @@ The same script runs every way a PyTorch ImageNet-example user expects:
     torchrun --nproc-per-node 8 seresnext_lmdb.py --data DIR        # also srun under SLURM
     torchrun --nproc-per-node 8 --max-restarts 3 seresnext_lmdb.py --data DIR \\
         --save-every-minutes 10 --hang-timeout 600 --resume           # survives crashes
+    python seresnext_lmdb.py --data DIR --evaluate                # the newest checkpoint's accuracy
     python seresnext_lmdb.py --demo                               # generated shapes, minutes
 
-``DIR`` holds ``train.lmdb`` and ``val.lmdb`` (``ddpkit lmdb build``).
+``DIR`` holds ``train.lmdb`` and ``val.lmdb`` (``ddpkit lmdb build``). Unlike the
+PyTorch ImageNet example, ``-b`` is the global batch of all processes of all nodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
+import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +60,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pretrained", metavar="PATH", help="local weights file (nothing is downloaded)"
     )
     p.add_argument("--num-classes", type=int, help="default: the training set's classes")
-    p.add_argument("--requires-grad", action="store_true", help="train all layers, not the head")
-    p.add_argument("-b", "--batch-size", type=int, default=256, help="global, over all processes")
-    p.add_argument("-j", "--workers", type=int, help="data workers per node")
+    layers = p.add_mutually_exclusive_group()
+    layers.add_argument("--requires-grad", action="store_true",
+                        help="train all layers, with --pretrained too")  # fmt: skip
+    layers.add_argument("--freeze-backbone", action="store_true",
+                        help="train only the head, as the recipe did; the default with\n"
+                             "--pretrained, refused without it (random features)")  # fmt: skip
+    p.add_argument("-b", "--batch-size", type=_number(int, 1, False), default=256, metavar="N",
+                   help="the GLOBAL batch: the sum over all processes of all nodes,\n"
+                        "divided among them. NOT per node as in the PyTorch ImageNet\n"
+                        "example: -b 256 on 2 nodes x 4 GPUs is 32 per process, and\n"
+                        "256 (not 512) images per step")  # fmt: skip
+    p.add_argument("-j", "--workers", type=_number(int, 0, False), metavar="N",
+                   help="data workers per node, divided over its processes rounded\n"
+                        "up (-j 4 on 8 GPUs: 1 each); default: a CPU share, at most 8")  # fmt: skip
     p.add_argument("--epochs", type=int, default=90)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--momentum", type=float, default=0.9)
@@ -67,6 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-crop", type=float, default=0.08, help="RandomResizedCrop's smallest area")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoints", default="checkpoints", metavar="DIR")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="where rank 0 writes metrics.jsonl (default: --checkpoints)")  # fmt: skip
+    p.add_argument("--keep-last", type=_number(int, 1, False), default=3, metavar="N",
+                   help="per-epoch weight files kept (the best stays too)")  # fmt: skip
+    p.add_argument("-e", "--evaluate", action="store_true",
+                   help="evaluate on val.lmdb and exit: the weights of --resume PATH,\n"
+                        "else the newest checkpoint in --checkpoints (any node's),\n"
+                        "else --pretrained")  # fmt: skip
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                    help="continue from the newest complete checkpoint (epoch, step or\n"
                         "interrupted) any node holds, or from the file PATH")  # fmt: skip
@@ -85,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-restarts", type=_number(int, 0, False), default=0, metavar="N",
                    help="with --multiprocessing-distributed: restart failed processes\n"
                         "up to N times, resuming (torchrun: its own --max-restarts)")  # fmt: skip
-    p.add_argument("--network", default="seresnext", help="name prefix of the per-epoch weights")
+    p.add_argument("--network", metavar="NAME",
+                   help="name prefix of the per-epoch weights (default: --arch)")  # fmt: skip
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--dist-url", help="tcp://<node 0 address>:<port>, env:// or file://")
     p.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"])
@@ -93,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0, help="this node's rank")
     p.add_argument("--multiprocessing-distributed", action="store_true",
                    help="one process per GPU on this node (or --nprocs CPU processes)")  # fmt: skip
-    p.add_argument("--nprocs", type=int, help="processes per node with -m-d (CPU: required)")
+    p.add_argument("--nprocs", type=_number(int, 1, False), metavar="N",
+                   help="processes per node with -m-d (CPU: required)")  # fmt: skip
     p.add_argument("--gpu", type=int, help="the GPU of a one-process run")
     p.add_argument("--demo", action="store_true", help="train on generated shapes, then resume")
     p.add_argument("--out", default="demo-out", help="the demo's directory")
@@ -109,6 +135,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.gpu is not None and args.multiprocessing_distributed:
         p.error("--gpu picks the GPU of a one-process run; with --multiprocessing-distributed "
                 "each process takes the GPU of its local rank: drop --gpu")  # fmt: skip
+    if args.multiprocessing_distributed and args.nprocs is None and torch.cuda.device_count() == 0:
+        p.error("--multiprocessing-distributed starts one process per GPU and no GPU is "
+                "visible: pass --nprocs N to run N CPU processes with Gloo")  # fmt: skip
+    if args.freeze_backbone and args.pretrained is None:
+        p.error("--freeze-backbone trains only the head on the backbone's features, which are "
+                "random without --pretrained PATH: pass the weights, or drop --freeze-backbone "
+                "to train all layers")  # fmt: skip
+    if args.network is not None and (not args.network or "/" in args.network):
+        p.error(f"--network is the start of a file name, without '/': got {args.network!r}")
+    if args.evaluate and args.demo:
+        p.error("--evaluate measures a checkpoint of --data; --demo trains its own: pick one")
     return args
 
 
@@ -127,16 +164,93 @@ def init_arguments(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
+    """The model to train; ``--evaluate`` loads its weights later (``load_for_evaluation``)."""
     model = timm.create_model(args.arch, pretrained=False, num_classes=num_classes)
-    if args.pretrained:  # the ImageNet head (1000 outputs) is skipped; ours stays fresh
+    if args.pretrained and not args.evaluate:
+        # The ImageNet head (1000 outputs) is skipped; ours stays fresh.
         ddpkit.load_pretrained(model, args.pretrained)
-    if not args.requires_grad:
-        ddpkit.freeze_backbone(model)  # layer0..layer4 frozen, last_linear trained
+        # A frozen backbone only makes sense with learned features: without
+        # --pretrained every layer trains (parse_args refuses --freeze-backbone).
+        if not args.requires_grad:
+            trainable = ddpkit.freeze_backbone(model)
+            logging.info("training only %s; --requires-grad trains all layers",
+                         ", ".join(trainable))  # fmt: skip
     return model
 
 
+def weights_prefix(args: argparse.Namespace) -> str:
+    """The start of the per-epoch weight files' names: ``--network``, else the arch."""
+    if args.network is not None:
+        return str(args.network)
+    return re.sub(r"[^\w.-]+", "-", args.arch)  # hf-hub:org/name -> hf-hub-org-name
+
+
+def workers_per_process(workers: int | None, nprocs: int) -> int | None:
+    """``-j`` (per node) shared by the node's ``nprocs`` processes, rounded up as the
+    recipe did, so any ``-j`` >= 1 leaves each process at least one worker."""
+    return None if workers is None else (workers + nprocs - 1) // nprocs
+
+
+def batch_line(global_batch: int, nprocs: int, per_process: int, workers: int) -> str:
+    """The start-up line that says how ``-b`` and ``-j`` were shared out."""
+    return (
+        f"global batch {global_batch} (-b: all processes of all nodes, not per node) = "
+        f"{nprocs} process{'es' if nprocs != 1 else ''} x {per_process} per process; "
+        f"{workers} data worker{'s' if workers != 1 else ''} per process"
+    )
+
+
+def _load_weights(model: nn.Module, path: str, flag: str) -> None:
+    """Load the whole of ``path`` into ``model`` on every rank; a failure on one reaches all.
+
+    All ranks must call this, or it deadlocks.
+    """
+    error = None
+    try:
+        report = ddpkit.load_pretrained(model, path, strict=True)
+        if report.skipped:
+            error = (f"{path} has another head than the model ({', '.join(report.skipped)}); "
+                     "pass the --num-classes it was trained with")  # fmt: skip
+    except (OSError, ValueError, ddpkit.CheckpointError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    errors = [(rank, e) for rank, e in enumerate(ddpkit.all_gather_object(error)) if e]
+    if errors:
+        rank, first = errors[0]
+        raise ddpkit.CheckpointError(f"--evaluate {flag} {path} (rank {rank}): {first}")
+
+
+def load_for_evaluation(args: argparse.Namespace, model: nn.Module) -> str:
+    """Load what ``--evaluate`` measures into ``model``; return where it came from.
+
+    ``--resume PATH`` (any checkpoint or weights file, read on every node), else
+    the newest complete checkpoint any node holds in ``--checkpoints``, else
+    ``--pretrained``. All ranks must call this, or it deadlocks.
+    """
+    if isinstance(args.resume, str):
+        _load_weights(model, args.resume, "--resume")
+        return args.resume
+    checkpoints = ddpkit.CheckpointManager(args.checkpoints, prefix=weights_prefix(args))
+    with warnings.catch_warnings():
+        # Evaluation draws no random numbers: RNG states saved by another
+        # number of ranks do not matter here.
+        warnings.filterwarnings("ignore", ".*RNG state", RuntimeWarning)
+        checkpoints.resume(model, strict_rng=False)
+    if checkpoints.position is not None:
+        return str(checkpoints.resumed_from or f"the newest checkpoint in {args.checkpoints}")
+    if args.pretrained:
+        _load_weights(model, args.pretrained, "--pretrained")
+        return str(args.pretrained)
+    raise ddpkit.CheckpointError(
+        f"--evaluate: no checkpoint in {args.checkpoints} on any node and no --pretrained; "
+        "pass the training run's --checkpoints DIR, --resume PATH or --pretrained PATH"
+    )
+
+
 def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
-    """One process's whole run; every rank calls it. Returns the last epoch's record."""
+    """One process's whole run; every rank calls it.
+
+    Returns the last epoch's record, or with ``--evaluate`` the metrics.
+    """
     logging.basicConfig(
         level=logging.INFO if info.is_main else logging.WARNING,
         format=f"[rank {info.rank}] %(asctime)s %(message)s",
@@ -151,24 +265,29 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     val_tf = ddpkit.val_transform(size, round(size * 256 / 224))
     val_set = ddpkit.LazyLMDBDataset(data / "val.lmdb", transform=val_tf)
     classes = args.num_classes or len(train_set.classes)
-    model = ddpkit.wrap_ddp(build_model(args, classes), device=info.device)
-
-    workers = None if args.workers is None else args.workers // info.local_world_size
+    workers = workers_per_process(args.workers, info.local_world_size)
     kw: dict[str, Any] = {"workers": workers, "seed": args.seed, "info": info}
-    train_loader = ddpkit.build_loader(
-        train_set, global_batch_size=args.batch_size, train=True, **kw
-    )
     val_batch = max(1, args.batch_size // info.world_size)
     val_loader = ddpkit.build_loader(val_set, batch_size=val_batch, train=False, **kw)
     criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)
+    if args.evaluate:
+        return evaluate_only(info, args, build_model(args, classes), val_loader, criterion)
+    model = ddpkit.wrap_ddp(build_model(args, classes), device=info.device)
+
+    train_loader = ddpkit.build_loader(
+        train_set, global_batch_size=args.batch_size, train=True, **kw
+    )
+    logging.info(batch_line(args.batch_size, info.world_size, train_loader.batch_size,
+                            train_loader.num_workers))  # fmt: skip
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(
         params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, args.milestones, gamma=0.1)
     checkpoints = ddpkit.CheckpointManager(
-        args.checkpoints, prefix=args.network, every_steps=args.save_every_steps,
-        every_minutes=args.save_every_minutes, on_each_node=args.save_on_each_node,
+        args.checkpoints, prefix=weights_prefix(args), keep_last=args.keep_last,
+        every_steps=args.save_every_steps, every_minutes=args.save_every_minutes,
+        on_each_node=args.save_on_each_node,
     )  # fmt: skip
     # A restarted process (torchrun --max-restarts, --max-restarts) continues the run.
     resume = args.resume or info.restart_count > 0
@@ -176,10 +295,33 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         model, train_loader, optimizer, criterion=criterion, epochs=args.epochs,
         val_loader=val_loader, scheduler=scheduler, config=ddpkit.TrainConfig(amp=args.amp),
         checkpoints=checkpoints, resume=resume,
-        report=ddpkit.ReportConfig(progress=not args.demo),  # a bar on rank 0, not in the demo
+        report=ddpkit.ReportConfig(log_dir=args.log_dir or args.checkpoints,
+                                   progress=not args.demo),  # a bar on rank 0, not in the demo
         faults=ddpkit.FaultConfig(hang_timeout=args.hang_timeout),
     )  # fmt: skip
+    # Drawing curves.png can leave fit's frame, and with it the loaders, in a reference
+    # cycle. Collected now, their persistent workers stop here; left to the interpreter's
+    # exit, multiprocessing would wait for workers that ignore its SIGTERM, forever.
+    gc.collect()
     return history.last if history.records else {}
+
+
+def evaluate_only(
+    info: ddpkit.DistInfo,
+    args: argparse.Namespace,
+    model: nn.Module,
+    val_loader: Any,
+    criterion: nn.Module,
+) -> dict[str, Any]:
+    """``--evaluate``: the accuracy of a checkpoint, printed on rank 0. Every rank calls it."""
+    source = load_for_evaluation(args, model)
+    # evaluate() runs the plain model on each rank's share: no DDP wrapper is needed.
+    metrics = ddpkit.evaluate(model.to(info.device), val_loader, criterion=criterion,
+                              amp=args.amp, device=info.device)  # fmt: skip
+    if info.is_main:
+        print(f"evaluate {source}: acc1 {metrics['acc1']:.3f} acc5 {metrics['acc5']:.3f} "
+              f"loss {metrics['loss']:.6g} samples {metrics['samples']:.0f}")  # fmt: skip
+    return metrics
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -215,7 +357,7 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     # A second job continues from latest.pth for one more epoch: resume works.
     record = run(argparse.Namespace(**{**vars(first), "epochs": first.epochs + 1, "resume": True}))
     seconds, where = time.perf_counter() - start, f"{gpus} GPU" if gpus else "2 CPU"
-    print(f"demo: final val acc1 {record['val_acc1']:.2f}% after {record['epoch'] + 1} epochs, "
+    print(f"demo: final val acc1 {record['val_acc1']:.2f}% after {first.epochs + 1} epochs, "
           f"total wall time {seconds:.1f} s ({where} processes)")  # fmt: skip
     return record
 

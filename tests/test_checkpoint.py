@@ -96,13 +96,13 @@ def test_manager_writes_latest_epochs_and_best(
     assert _leftovers(directory) == [
         "best.pth",
         "latest.pth",
-        "net-epoch4-acc40.00.pth",
-        "net-epoch5-acc35.00.pth",
+        "net-epoch5-acc40.00.pth",
+        "net-epoch6-acc35.00.pth",
         "previous.pth",
     ]
     for path in directory.iterdir():
         torch.load(path, weights_only=True)
-    best, epoch4 = directory / "best.pth", directory / "net-epoch4-acc40.00.pth"
+    best, epoch4 = directory / "best.pth", directory / "net-epoch5-acc40.00.pth"  # epoch index 4
     assert best.stat().st_ino == epoch4.stat().st_ino  # a hard link, not a copy
 
     latest = load_checkpoint(directory / "latest.pth")
@@ -116,7 +116,7 @@ def test_manager_writes_latest_epochs_and_best(
     assert len(latest["rng"]) == 2
     assert not torch.equal(latest["rng"][0]["torch"], latest["rng"][1]["torch"])
     assert load_checkpoint(directory / "previous.pth")["epoch"] == 4
-    weights = load_checkpoint(directory / "net-epoch5-acc35.00.pth")
+    weights = load_checkpoint(directory / "net-epoch6-acc35.00.pth")
     assert torch.equal(weights["weight"], torch.tensor(r0["state"]["weights"][0]))
 
 
@@ -161,12 +161,12 @@ def _save_one_process(directory: Path, accuracies: list[float], keep_last: int) 
 
 def test_damaged_latest_falls_back_to_previous(tmp_path: Path) -> None:
     weights = _save_one_process(tmp_path, [10.0, 40.0, 20.0, 30.0], keep_last=1)
-    # The best epoch (1) stays next to the newest (3); the others are pruned.
+    # The best epoch (index 1, the 2nd) stays next to the newest; the others are pruned.
     assert _leftovers(tmp_path) == [
         "best.pth",
         "latest.pth",
-        "model-epoch1-acc40.00.pth",
-        "model-epoch3-acc30.00.pth",
+        "model-epoch2-acc40.00.pth",
+        "model-epoch4-acc30.00.pth",
         "previous.pth",
     ]
     latest = tmp_path / "latest.pth"
@@ -182,7 +182,7 @@ def test_damaged_latest_falls_back_to_previous(tmp_path: Path) -> None:
     manager.save(3, model, optimizer, scheduler, scaler, metrics={"acc1": 25.0})
     assert load_checkpoint(tmp_path / "previous.pth")["epoch"] == 2
     assert load_checkpoint(latest)["epoch"] == 3
-    assert _leftovers(tmp_path)[2:4] == ["model-epoch1-acc40.00.pth", "model-epoch3-acc25.00.pth"]
+    assert _leftovers(tmp_path)[2:4] == ["model-epoch2-acc40.00.pth", "model-epoch4-acc25.00.pth"]
 
 
 def test_every_file_damaged_is_an_error(tmp_path: Path) -> None:
@@ -213,9 +213,9 @@ def test_manager_refuses_bad_extra_before_writing(tmp_path: Path) -> None:
 
 def test_nan_accuracy_is_named_but_never_best(tmp_path: Path) -> None:
     _save_one_process(tmp_path, [float("nan"), 5.0], keep_last=3)
-    assert (tmp_path / "model-epoch0-accnan.pth").exists()
+    assert (tmp_path / "model-epoch1-accnan.pth").exists()
     best = (tmp_path / "best.pth").stat().st_ino
-    assert best == (tmp_path / "model-epoch1-acc5.00.pth").stat().st_ino
+    assert best == (tmp_path / "model-epoch2-acc5.00.pth").stat().st_ino
 
 
 def _resume_on_own_disk(rank: int, world_size: int, directory: str) -> dict[str, Any]:
@@ -278,6 +278,6 @@ def test_two_writers_sharing_a_directory_keep_latest_and_previous_apart(tmp_path
     assert load_checkpoint(tmp_path / "latest.pth")["epoch"] == epochs - 1
     assert load_checkpoint(tmp_path / "previous.pth")["epoch"] == epochs - 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "latest.pth", f"m-epoch{epochs - 2}-acc0.00.pth", f"m-epoch{epochs - 1}-acc0.00.pth",
+        "latest.pth", f"m-epoch{epochs - 1}-acc0.00.pth", f"m-epoch{epochs}-acc0.00.pth",
         "previous.pth",
     ]  # fmt: skip

@@ -58,3 +58,39 @@ def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
         main(["frobnicate"])
     assert info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "command", "unknown"),
+    [
+        (["lmdb", "build", "a", "b", "--bogus"], "lmdb build", "--bogus"),
+        (["lmdb", "verify", "db", "--bogus", "x"], "lmdb verify", "--bogus x"),
+        (["lmdb", "info", "db", "extra"], "lmdb info", "extra"),
+        (["doctor", "--bogus"], "doctor", "--bogus"),
+        (["--bogus"], "", "--bogus"),  # before any sub-command: the top level's usage
+    ],
+)
+def test_unknown_arguments_print_the_usage_of_the_command_given(
+    argv: list[str], command: str, unknown: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prog = f"ddpkit {command}".strip()
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {prog} [-h]")
+    assert err.endswith(f"{prog}: error: unrecognized arguments: {unknown}\n")
+
+
+def test_unknown_option_from_the_console_script() -> None:
+    out = subprocess.run(
+        [_console_script(), "lmdb", "build", "a", "b", "--bogus"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert out.stderr.startswith("usage: ddpkit lmdb build [-h]")
+    assert "ddpkit lmdb build: error: unrecognized arguments: --bogus" in out.stderr
+    assert "Traceback" not in out.stderr

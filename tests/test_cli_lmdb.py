@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import lmdb
@@ -13,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ddpkit.cli import main
+from ddpkit.cli import build_parser, main
 from ddpkit.data.lmdb_format import read_index, sample_key
 
 
@@ -136,3 +140,65 @@ def test_console_script_info(tree: Path, tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["samples"] == 6
+
+
+def test_workers_short_aliases(
+    tree: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = build_parser()
+    for command in (["build", "src", "out"], ["verify", "db"]):
+        for flag in ("-j", "-w", "--workers"):
+            assert parser.parse_args(["lmdb", *command, flag, "3"]).workers == 3
+    assert _build(tree, tmp_path / "db", "-j", "2") == 0
+    assert main(["lmdb", "verify", str(tmp_path / "db"), "-w", "2"]) == 0
+    assert capsys.readouterr().out.endswith("ok: 6 samples decode\n")
+
+
+def _console(args: list[str], *, terminal: bool) -> tuple[int, str]:
+    """Run the console script with stderr on a pseudo-terminal or a pipe: (exit code, stderr)."""
+    command = [str(Path(sys.executable).with_name("ddpkit")), *args]
+    if not terminal:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        return out.returncode, out.stderr
+    parent, child = pty.openpty()
+    # 24 rows of 80 columns: a new pseudo-terminal has 0, and tqdm draws no bar in 0 columns.
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=child)
+    finally:
+        os.close(child)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(parent, 4096)
+            except OSError:  # EIO: the script exited and closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(parent)
+    return process.wait(timeout=120), b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.timeout(240)
+def test_progress_bars_only_on_a_terminal(tree: Path, tmp_path: Path) -> None:
+    build = ["lmdb", "build", str(tree)]
+    code, err = _console([*build, str(tmp_path / "piped")], terminal=False)
+    assert code == 0
+    assert "\r" not in err
+    assert "lmdb build" not in err
+    code, err = _console([*build, str(tmp_path / "shown")], terminal=True)
+    assert code == 0
+    assert "lmdb build" in err
+    assert "6/6" in err
+    code, err = _console([*build, str(tmp_path / "quiet"), "--no-progress"], terminal=True)
+    assert (code, err) == (0, "")
+
+    verify = ["lmdb", "verify", str(tmp_path / "shown")]
+    code, err = _console(verify, terminal=True)
+    assert code == 0
+    assert "lmdb verify" in err
+    assert "6/6" in err
+    assert _console([*verify, "--no-progress"], terminal=True) == (0, "")

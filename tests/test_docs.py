@@ -22,7 +22,13 @@ API = ROOT / "docs" / "api.md"
 
 # ddpkit.testing is public but not re-exported from ddpkit.
 TESTING_NAMES = {"run_distributed", "DistributedTestError"}
-CLI_COMMANDS = {"ddpkit lmdb build", "ddpkit lmdb info", "ddpkit lmdb verify", "ddpkit doctor"}
+CLI_COMMANDS = {
+    "ddpkit lmdb build",
+    "ddpkit lmdb info",
+    "ddpkit lmdb verify",
+    "ddpkit doctor",
+    "ddpkit plot",
+}
 
 _HEADING = re.compile(r"^### (.+?)\s*$", re.MULTILINE)
 # [text](target) and [text]: target, skipping images' alt text the same way.

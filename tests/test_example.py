@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shlex
 import socket
@@ -67,6 +68,9 @@ def test_defaults_follow_the_recipe() -> None:
     assert args.milestones == [30, 60]
     assert args.pretrained is None
     assert args.num_classes is None
+    assert not args.freeze_backbone
+    assert not args.evaluate
+    assert (args.network, args.log_dir, args.keep_last) == (None, None, 3)
 
 
 @pytest.mark.timeout(30)
@@ -144,6 +148,93 @@ def test_model_from_imagenet_weights_trains_only_the_head(tmp_path: Path) -> Non
     everything = example.build_model(example.parse_args([*argv[:4], "--requires-grad"]), 5)
     assert all(p.requires_grad for p in everything.parameters())
 
+    frozen = example.parse_args([*argv, str(tmp_path / "imagenet.pth"), "--freeze-backbone"])
+    head = [n for n, p in example.build_model(frozen, 5).named_parameters() if p.requires_grad]
+    assert head == ["last_linear.weight", "last_linear.bias"]
+
+
+@pytest.mark.timeout(30)
+def test_without_pretrained_weights_every_layer_trains(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A head on random features learns next to nothing: no silent freeze.
+    model = example.build_model(example.parse_args(["--data", "d", "--arch", "test_resnet"]), 3)
+    assert all(p.requires_grad for p in model.parameters())
+    with pytest.raises(SystemExit):
+        example.parse_args(["--data", "d", "--freeze-backbone"])
+    assert "random without --pretrained" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        example.parse_args(["--data", "d", "--pretrained", "w.pth", "--freeze-backbone",
+                            "--requires-grad"])  # fmt: skip
+    assert "not allowed with" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_weight_files_are_named_after_the_arch(capsys: pytest.CaptureFixture[str]) -> None:
+    def prefix(*argv: str) -> str:
+        return str(example.weights_prefix(example.parse_args(["--data", "d", *argv])))
+
+    assert prefix() == "legacy_seresnext101_32x4d"
+    assert prefix("--arch", "resnet18") == "resnet18"
+    assert prefix("--arch", "resnet18", "--network", "mine") == "mine"
+    assert prefix("--arch", "hf-hub:timm/resnet50.a1_in1k") == "hf-hub-timm-resnet50.a1_in1k"
+    with pytest.raises(SystemExit):
+        example.parse_args(["--data", "d", "--network", "a/b"])
+    assert "without '/'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("workers", "nprocs", "each"),
+    [(4, 8, 1), (1, 8, 1), (16, 8, 2), (17, 8, 3), (0, 8, 0), (3, 1, 3), (None, 8, None)],
+)
+def test_workers_per_node_are_shared_out_rounding_up(
+    workers: int | None, nprocs: int, each: int | None
+) -> None:
+    assert example.workers_per_process(workers, nprocs) == each
+
+
+@pytest.mark.timeout(30)
+def test_the_global_batch_is_told_at_start_and_in_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = example.batch_line(256, 8, 32, 2)
+    assert line.startswith("global batch 256 ")
+    assert line.endswith("= 8 processes x 32 per process; 2 data workers per process")
+    assert "not per node" in line
+    assert example.batch_line(4, 1, 4, 1).endswith(
+        "= 1 process x 4 per process; 1 data worker per process"
+    )
+    with pytest.raises(SystemExit):
+        example.parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "the GLOBAL batch" in shown
+    assert "NOT per node as in the PyTorch ImageNet example" in shown
+
+
+@pytest.mark.timeout(30)
+def test_spawn_without_a_gpu_asks_for_the_nprocs_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(example.torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(SystemExit):
+        example.parse_args(["--data", "d", "--multiprocessing-distributed"])
+    assert "pass --nprocs N" in capsys.readouterr().err
+    args = example.parse_args(["--data", "d", "--multiprocessing-distributed", "--nprocs", "2"])
+    assert args.nprocs == 2
+    monkeypatch.setattr(example.torch.cuda, "device_count", lambda: 4)
+    assert example.parse_args(["--data", "d", "--multiprocessing-distributed"]).nprocs is None
+
+
+@pytest.mark.timeout(30)
+def test_evaluate_and_log_flags() -> None:
+    args = example.parse_args(["--data", "d", "-e", "--resume", "best.pth", "--log-dir", "logs",
+                               "--keep-last", "5"])  # fmt: skip
+    assert (args.evaluate, args.resume, args.log_dir, args.keep_last) == (
+        True, "best.pth", "logs", 5)  # fmt: skip
+    with pytest.raises(SystemExit):
+        example.parse_args(["--demo", "--evaluate"])
+
 
 @pytest.mark.timeout(240)
 def test_demo_trains_then_resumes(tmp_path: Path) -> None:
@@ -153,10 +244,11 @@ def test_demo_trains_then_resumes(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "latest.pth").is_file()
-    assert list(checkpoints.glob("demo-epoch0-acc*.pth"))
-    assert list(checkpoints.glob("demo-epoch1-acc*.pth"))
-    assert "resuming at epoch 1" in done.stderr
-    assert "epoch 1: train_loss" in done.stderr
+    assert list(checkpoints.glob("demo-epoch1-acc*.pth"))  # epochs count from 1
+    assert list(checkpoints.glob("demo-epoch2-acc*.pth"))
+    assert not list(checkpoints.glob("demo-epoch0-*"))
+    assert "resuming at epoch 2 step" in done.stdout
+    assert "epoch 2/2: train_loss" in done.stdout
     assert "final val acc1" in done.stdout
     assert "after 2 epochs" in done.stdout
 
@@ -177,17 +269,64 @@ def test_two_nodes_one_process_each(tmp_path: Path) -> None:
               "-j", "0", "--requires-grad", "--checkpoints", str(tmp_path / "ckpt"),
               "--world-size", "2", "--dist-url", url, "--dist-backend", "gloo"]  # fmt: skip
     nodes = [
-        subprocess.Popen([*common, "--rank", str(r)], env=_env(), stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*common, "--rank", str(r)],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in (0, 1)
     ]
     try:
-        errors = [node.communicate(timeout=200)[1] for node in nodes]
+        errors = [node.communicate(timeout=200)[0] for node in nodes]
     finally:
         for node in nodes:
             node.kill()
     assert [node.returncode for node in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
-    assert "epoch 0: train_loss" in errors[0]
+    assert "epoch 1/1: train_loss" in errors[0]
+    assert "epoch 1/1" not in errors[1]  # rank 0 alone prints the epoch lines
     assert (tmp_path / "ckpt" / "latest.pth").is_file()
+
+
+@pytest.mark.timeout(240)
+def test_evaluate_prints_the_accuracy_training_logged(tmp_path: Path) -> None:
+    import ddpkit
+    from ddpkit.data.shapes import make_shapes_dataset
+
+    dirs = make_shapes_dataset(
+        tmp_path / "shapes", classes=3, train_per_class=4, val_per_class=2, size=32
+    )
+    for split, source in zip(("train", "val"), dirs, strict=True):
+        ddpkit.build_lmdb(source, tmp_path / f"{split}.lmdb", progress=False)
+    ckpt = tmp_path / "ckpt"
+    # -j 1: a run whose loaders have workers must exit too, curves drawn or not.
+    common = [sys.executable, str(SCRIPT), "--data", str(tmp_path), "--arch", "test_resnet",
+              "--image-size", "32", "-b", "4", "-j", "1", "--checkpoints", str(ckpt)]  # fmt: skip
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*common, *argv], env=_env(), capture_output=True, text=True,
+                              timeout=100)  # fmt: skip
+
+    trained = run("--epochs", "1")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "global batch 4 (-b: all processes of all nodes, not per node) = 1 process x 4 " \
+           "per process; 1 data worker per process" in trained.stderr  # fmt: skip
+    assert list(ckpt.glob("test_resnet-epoch*-acc*.pth"))  # named after --arch
+    # metrics.jsonl goes to the checkpoint directory by default
+    logged = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    record = [r for r in logged if "val_acc1" in r][-1]
+
+    expected = f"acc1 {record['val_acc1']:.3f} acc5 {record['val_acc5']:.3f} " \
+               f"loss {record['val_loss']:.6g} samples {record['val_samples']:.0f}"  # fmt: skip
+    for argv in ([], ["--resume", str(next(ckpt.glob("test_resnet-epoch*.pth")))]):
+        evaluated = run("--evaluate", *argv)
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        assert expected in evaluated.stdout, (expected, evaluated.stdout)
+
+    nothing = run("--evaluate", "--checkpoints", str(tmp_path / "empty"))
+    assert nothing.returncode != 0
+    assert "--evaluate: no checkpoint in" in nothing.stderr
 
 
 @pytest.mark.timeout(30)
@@ -203,6 +342,10 @@ def test_two_nodes_one_process_each(tmp_path: Path) -> None:
         ["--hang-timeout", "inf"],
         ["--max-restarts", "-1", "--multiprocessing-distributed"],
         ["--max-restarts", "2"],  # without --multiprocessing-distributed
+        ["--keep-last", "0"],
+        ["-b", "0"],
+        ["-j", "-1"],
+        ["--nprocs", "0"],
     ],
 )
 def test_fault_flags_are_checked_before_anything_runs(
@@ -218,7 +361,8 @@ def test_fault_flags_are_checked_before_anything_runs(
 def test_fault_flags() -> None:
     args = example.parse_args(["--data", "d", "--save-every-steps", "500", "--save-every-minutes",
                                "10", "--hang-timeout", "600", "--save-on-each-node",
-                               "--multiprocessing-distributed", "--max-restarts", "3"])  # fmt: skip
+                               "--multiprocessing-distributed", "--nprocs", "2",
+                               "--max-restarts", "3"])  # fmt: skip
     assert (args.save_every_steps, args.save_every_minutes, args.hang_timeout) == (500, 10.0, 600.0)
     assert (args.save_on_each_node, args.max_restarts, args.resume) == (True, 3, False)
     assert example.parse_args(["--data", "d", "--resume"]).resume is True

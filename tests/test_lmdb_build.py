@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import tracemalloc
 from functools import cache
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from torchvision.datasets import ImageFolder
 from ddpkit.data import (
     BuildSummary,
     ImageError,
+    LazyLMDBDataset,
     build_lmdb,
 )
 from ddpkit.data.lmdb_format import (
@@ -29,6 +31,7 @@ from ddpkit.data.lmdb_format import (
     read_index,
     sample_key,
 )
+from ddpkit.data.lmdb_sources import list_source
 
 
 @cache
@@ -137,9 +140,73 @@ def test_list_file_round_trip(tree: Path, tmp_path: Path) -> None:
     assert images == [files[1].read_bytes(), files[0].read_bytes()]
 
 
+def test_list_file_with_class_names(tree: Path, tmp_path: Path) -> None:
+    files = sorted(tree.rglob("*.jpg"))
+    spaced = tree / "my photos" / "a, b.jpg"  # the label is the last field, whatever the path
+    spaced.parent.mkdir()
+    spaced.write_bytes(files[3].read_bytes())
+    rows = [
+        (spaced, "dog"),
+        (files[0], "cat"),
+        (files[1], "emu"),
+        (files[2], "dog"),
+    ]
+    sep = [",", " ", "\t", ", "]
+    listing = tree / "names.txt"
+    lines = [f"{f.relative_to(tree)}{s}{name}" for (f, name), s in zip(rows, sep, strict=True)]
+    listing.write_text("# path label\n" + "\n".join(lines) + "\n")
+
+    build_lmdb(listing, tmp_path / "db", progress=False)
+    _, _, paths, images = _read_back(tmp_path / "db")
+    assert paths == ["my photos/a, b.jpg", *(str(f.relative_to(tree)) for f in files[:3])]
+    assert images == [f.read_bytes() for f, _ in rows]
+    dataset = LazyLMDBDataset(str(tmp_path / "db"))
+    assert dataset.classes == ["cat", "dog", "emu"]  # sorted, as ImageFolder sorts
+    assert dataset.targets == [1, 0, 2, 1]
+    image, label = dataset[0]
+    assert label == 1
+    assert image.shape[0] == 3
+
+    # classes= fixes the order (and may name classes the file does not use).
+    build_lmdb(listing, tmp_path / "db2", classes=["emu", "dog", "cat", "fox"], progress=False)
+    dataset = LazyLMDBDataset(str(tmp_path / "db2"))
+    assert (dataset.classes, dataset.targets) == (["emu", "dog", "cat", "fox"], [1, 2, 0, 1])
+    with pytest.raises(ValueError, match=r"line 3: class 'cat' is not one of the 2 classes given"):
+        build_lmdb(listing, tmp_path / "db3", classes=["dog", "emu"], progress=False)
+
+
+def test_list_file_reader_keeps_the_names_not_the_lines(tmp_path: Path) -> None:
+    # Two reads of the file; between them only the distinct names are kept.
+    listing = tmp_path / "big.txt"
+    names = ("cat", "dog", "emu")
+    listing.write_text("".join(f"dir/image-{i:06d}.jpg,{names[i % 3]}\n" for i in range(50_000)))
+    tracemalloc.start()
+    try:
+        source = list_source(str(listing), None, None)
+        labels = np.fromiter((sample.label for sample in source.samples), np.int64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (source.classes, source.total) == (names, 50_000)
+    assert labels[:4].tolist() == [0, 1, 2, 0]
+    assert peak < 1_500_000  # the lines alone would take over 4 MB
+
+
 @pytest.mark.parametrize(
     ("line", "match"),
-    [("a.jpg,cat", "line 2: expected 'path,label'"), ("a.jpg,-1", "line 2: label -1")],
+    [
+        ("a.jpg", "line 2: expected 'path,label'"),
+        ("a.jpg,-1", "line 2: label -1"),
+        (
+            "a.jpg,0\nb b.jpg,cat",
+            r"line 3: 'b b.jpg,cat' has a class name, but line 2 \('a.jpg,0'\) has an integer "
+            r"label; write every label as a class name or every label as an integer index",
+        ),
+        (
+            "a.jpg cat\nb.jpg 1",
+            r"line 3: 'b.jpg 1' has an integer label, but line 2 \('a.jpg cat'\)",
+        ),
+    ],
 )
 def test_list_file_errors_name_the_line(tmp_path: Path, line: str, match: str) -> None:
     listing = tmp_path / "list.txt"

@@ -12,7 +12,13 @@ import torch
 import torchvision
 from torch import nn
 
-from ddpkit import CheckpointError, freeze_backbone, load_pretrained, save_checkpoint
+from ddpkit import (
+    CheckpointError,
+    PretrainedReport,
+    freeze_backbone,
+    load_pretrained,
+    save_checkpoint,
+)
 
 ARCH = "legacy_seresnext26_32x4d"  # Cadene's layout: layer0..layer4, last_linear
 
@@ -81,6 +87,20 @@ def test_missing_tensors_keep_their_initialisation_unless_strict(
     with pytest.raises(ValueError, match=r"strict=True.*leaves 2 of the model's tensors unset"):
         load_pretrained(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), tmp_path / "w.pth",
                         strict=True)  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_report_repr_counts_long_lists_and_names_short_ones(tmp_path: Path) -> None:
+    torch.save(torchvision.models.resnet18(num_classes=1000).state_dict(), tmp_path / "r18.pth")
+    report = load_pretrained(torchvision.models.resnet18(num_classes=5), tmp_path / "r18.pth")
+    assert len(report.loaded) == 120  # the attributes stay full lists
+    assert (
+        repr(report) == "PretrainedReport(loaded=120, skipped=['fc.weight', 'fc.bias'], missing=0)"
+    )
+    five, six = [f"t{i}" for i in range(5)], [f"t{i}" for i in range(6)]
+    assert repr(PretrainedReport(loaded=six, skipped=[], missing=five)) == (
+        "PretrainedReport(loaded=6, skipped=0, missing=['t0', 't1', 't2', 't3', 't4'])"
+    )
 
 
 @pytest.mark.timeout(60)

@@ -13,7 +13,7 @@ from torch.utils.data import (
 )
 
 from ddpkit import comm
-from ddpkit.data import DistributedEvalSampler, build_loader, set_epoch
+from ddpkit.data import DistributedEvalSampler, build_loader, set_epoch, train_transform
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 10, 13, 101])
@@ -124,3 +124,57 @@ def test_epochs_advance_without_set_epoch() -> None:
     again = next(iter(loader))[0].tolist()
     assert first == again  # epoch 0 again
     assert first != second  # the second pass was epoch 1, not a repeat of epoch 0
+
+
+class _Photos(Dataset[tuple[torch.Tensor, int]]):
+    """Random crops of small images through the real train_transform, and each index."""
+
+    def __init__(self) -> None:
+        self.classes = ["cat", "dog"]
+        shape, rng = (6, 3, 40, 56), torch.Generator().manual_seed(0)
+        self.images = torch.randint(0, 256, shape, generator=rng, dtype=torch.uint8)
+        self.transform = train_transform(16)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.transform(self.images[index]), index
+
+
+@pytest.mark.timeout(120)
+def test_training_loader_dataset_reads_like_the_dataset_it_wraps() -> None:
+    photos = _Photos()
+    loader = build_loader(
+        photos,
+        batch_size=3,
+        train=True,
+        workers=2,
+        seed=4,
+        info=info(0, 1, 1),
+        persistent_workers=False,  # no worker outlives the epoch, even if an assert fails
+    )
+    dataset = loader.dataset
+    assert dataset.dataset is photos  # type: ignore[attr-defined]
+    assert len(dataset) == 6  # type: ignore[arg-type]
+    assert dataset.classes == ["cat", "dog"]  # type: ignore[attr-defined]
+
+    set_epoch(loader, 0)
+    epoch0 = {
+        int(i): image
+        for images, indices in loader
+        for image, i in zip(images, indices, strict=True)
+    }
+    torch.manual_seed(11)
+    expected = torch.rand(2)
+    torch.manual_seed(11)
+    # An int index gives the sample as epoch 0 augmented it, in whichever worker.
+    for i in range(6):
+        image, index = dataset[i]
+        assert index == i
+        assert torch.equal(image, epoch0[i])
+    assert torch.equal(dataset[-1][0], epoch0[5])
+    assert dataset[np.int64(2)][1] == 2
+    assert torch.equal(torch.rand(2), expected)  # the caller's RNGs are left alone
+    with pytest.raises(TypeError, match="takes an int index"):
+        dataset[1:3]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 from pathlib import Path
 
@@ -165,8 +166,12 @@ def test_amp_on_cpu_runs_and_checkpoints_the_scaler(amp: str, tmp_path: Path) ->
     else:
         assert not state.get("scaler")
     lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["epoch"] for line in lines] == [0, 1]
+    assert "run" in json.loads(lines[0])  # the run's header, then its epochs, counted from 1
+    assert [json.loads(line)["epoch"] for line in lines[1:]] == [1, 2]
+    assert [r["epoch"] for r in history.records] == [1, 2]
     assert "val_acc1" in json.loads(lines[-1])
+    assert list((tmp_path).glob("model-epoch*-acc*.pth"))  # files count the same way
+    assert not list((tmp_path).glob("model-epoch0-*.pth"))
 
 
 def test_non_finite_loss_names_epoch_and_step() -> None:
@@ -337,3 +342,49 @@ def test_the_first_non_finite_loss_is_found_across_the_checks_batches(bad: list[
             check.check(epoch=3)
     else:
         check.check(epoch=3)
+
+
+def test_a_user_sees_each_epoch_the_resume_the_summary_and_the_curves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(epochs: int, resume: bool) -> str:
+        torch.manual_seed(0)
+        model = nn.Linear(6, 2)
+        loader = build_loader(_linear_data(), batch_size=8, train=True, workers=0, info=_info())
+        val = build_loader(_linear_data(), batch_size=8, train=False, workers=0, info=_info())
+        fit(model, loader, torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(), epochs=epochs, val_loader=val, config=RAW,
+            checkpoints=CheckpointManager(tmp_path), resume=resume,
+            report=ReportConfig(progress=False, log_dir=tmp_path))  # fmt: skip
+        return capsys.readouterr().out
+
+    first = run(2, False)
+    assert "epoch 1/2: train_loss" in first
+    assert "epoch 2/2: train_loss" in first
+    assert "data wait" in first
+    assert "best epoch" in first
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "curves.png").is_file()
+        assert f"learning curves: {tmp_path / 'curves.png'}" in first
+    assert "resuming at epoch 3 step" in run(3, True)
+    assert "nothing to do: finished at epoch 3 of 3" in run(3, True)
+    epochs = [json.loads(line).get("epoch") for line in (tmp_path / "metrics.jsonl").open()]
+    assert epochs == [None, 1, 2, None, 3, None]  # one run: its header at each start
+
+
+@pytest.mark.parametrize(("size", "batch", "drop_last"), [(240, 256, True), (7, 8, None)])
+def test_a_batch_larger_than_the_data_fails_before_training(
+    size: int, batch: int, drop_last: bool | None, tmp_path: Path
+) -> None:
+    data = TensorDataset(torch.randn(size, 6), torch.randint(0, 2, (size,)))
+    with pytest.raises(ValueError, match=rf"has {size} samples.*{batch}.*drop_last"):
+        build_loader(data, batch_size=batch, train=True, drop_last=drop_last, workers=0,
+                     info=_info())  # fmt: skip
+    # A loader built by hand with the same problem is refused by fit, before any file is written.
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, drop_last=True)
+    model = nn.Linear(6, 2)
+    with pytest.raises(ValueError, match=rf"no batch: the dataset has {size} samples"):
+        fit(model, loader, torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(), epochs=2, config=RAW, report=QUIET,
+            checkpoints=CheckpointManager(tmp_path / "ckpt"))  # fmt: skip
+    assert not (tmp_path / "ckpt").exists()

@@ -66,6 +66,57 @@ def test_val_tensor_matches_independent_resize_and_center_crop(layout: str) -> N
     assert torch.equal(out, resized[:, top : top + 224, left : left + 224])
 
 
+@pytest.mark.parametrize("decode", ["tensor", "pil"])
+def test_val_resize_defaults_to_the_imagenet_proportion_of_size(decode: str) -> None:
+    # 256 for 224: the centre crop keeps 7/8 of the shorter side at any size.
+    img: Any = _photo() if decode == "tensor" else Image.fromarray(_PHOTOS[0])
+    for size, resize in [(224, 256), (32, 37), (160, 183)]:
+        out = val_transform(size, decode=decode)(img)  # type: ignore[arg-type]
+        assert torch.equal(out, val_transform(size, resize, decode=decode)(img))  # type: ignore[arg-type]
+    small = val_transform(32, decode=decode)(img)  # type: ignore[arg-type]
+    assert not torch.equal(small, val_transform(32, 256, decode=decode)(img))  # type: ignore[arg-type]
+    explicit = val_transform(32, 64, decode=decode)(img)  # type: ignore[arg-type]
+    assert not torch.equal(explicit, small)  # an explicit resize still wins
+    if decode == "tensor":
+        assert repr(val_transform(32)) == "val_transform(32, 37)"
+        height, width = img.shape[-2:]
+        resized = tvf.resize(img, [64, int(64 * width / height)], antialias=True)
+        left = round((resized.shape[-1] - 32) / 2)
+        assert torch.equal(explicit, resized[:, 16:48, left : left + 32])
+
+
+def test_train_without_hflip_keeps_the_crop_and_never_mirrors() -> None:
+    img = _photo()
+    flipping, plain = train_transform(64), train_transform(64, hflip=False)
+    mirrored = 0
+    for seed in range(16):
+        torch.manual_seed(seed)
+        a = flipping(img)
+        torch.manual_seed(seed)
+        b = plain(img)
+        # The same seed draws the same box, with the flip or without it.
+        assert torch.equal(a, b) or torch.equal(a, b.flip(-1))
+        mirrored += not torch.equal(a, b)
+    assert mirrored > 0
+    aspect = img.shape[-1] / img.shape[-2]
+    whole = train_transform(96, scale=(1.0, 1.0), ratio=(aspect, aspect), hflip=False)
+    expected = tvf.resize(img, [96, 96], antialias=True)
+    assert all(torch.equal(whole(img), expected) for _ in range(20))
+    assert "hflip=False" in repr(pickle.loads(pickle.dumps(whole)))
+
+
+def test_pil_train_without_hflip_never_mirrors() -> None:
+    pil = Image.fromarray(_PHOTOS[0])
+    aspect = pil.width / pil.height
+    options: dict[str, Any] = {"scale": (1.0, 1.0), "ratio": (aspect, aspect), "decode": "pil"}
+    torch.manual_seed(0)
+    plain = [train_transform(48, hflip=False, **options)(pil) for _ in range(12)]
+    assert all(torch.equal(out, plain[0]) for out in plain)
+    torch.manual_seed(0)
+    flipping = [train_transform(48, **options)(pil) for _ in range(12)]
+    assert any(torch.equal(out, plain[0].flip(-1)) for out in flipping)
+
+
 def test_train_tensor_is_random_but_reproducible() -> None:
     transform = train_transform(224)
     img = _photo("hwc")

@@ -27,7 +27,8 @@ __all__ = [
     "parquet_source",
 ]
 
-_LIST_LINE = re.compile(r"(?P<path>.+?)\s*[,\t ]\s*(?P<label>[+-]?\d+)")
+# The label is the last field: paths may hold spaces and commas, labels may not.
+_LIST_LINE = re.compile(r"(?P<path>.+?)\s*[,\t ]\s*(?:(?P<index>[+-]?\d+)|(?P<name>[^,\t ]+))")
 
 
 class Sample(NamedTuple):
@@ -145,22 +146,78 @@ def _imagefolder_samples(
 
 
 def list_source(path: str, root: str | None, classes: Sequence[str] | None) -> Source:
-    """A list file: checked whole first (count, labels), then read again line by line."""
+    """A list file: checked whole first (count, labels), then read again line by line.
+
+    A label is a line's last field: every label an integer index (classes
+    ``str(k)`` for ``0..max`` unless ``classes`` names them), or every label a
+    class name (classes sorted, as ImageFolder sorts its directories, unless
+    ``classes`` gives them). Only the distinct names are kept between the reads.
+    """
     base = os.path.dirname(os.path.abspath(path)) if root is None else root
-    total, top = 0, -1
-    for _, label, _ in _list_lines(path, classes):
-        total, top = total + 1, max(top, label)
-    if classes is None:
-        classes = [str(k) for k in range(top + 1)]
-    samples = (
-        Sample(name, label, os.path.join(base, name), None)
-        for name, label, _ in _list_lines(path, classes)
+    total, top, names = 0, -1, set[str]()
+    given = None if classes is None else set(classes)
+    first: tuple[int, str, bool] | None = None  # line number, line, label is an index
+    for _, label, by_index, number, line in _list_lines(path):
+        if first is None:
+            first = (number, line, by_index)
+        elif by_index != first[2]:
+            raise ValueError(_mixed_labels(path, number, line, first))
+        total += 1
+        if by_index:
+            top = max(top, _label_index(path, number, int(label), classes))
+        elif given is None:
+            names.add(label)
+        elif label not in given:
+            raise ValueError(
+                f"{path}, line {number}: class {label!r} is not one of the {len(given)} "
+                "classes given; add it to classes=, or leave classes= out to take the file's names"
+            )
+    if first is not None and not first[2]:
+        classes = sorted(names) if classes is None else classes
+        codes: dict[str, int] | None = {name: k for k, name in enumerate(classes)}
+    else:
+        classes = [str(k) for k in range(top + 1)] if classes is None else classes
+        codes = None
+    return Source(tuple(classes), total, _list_samples(path, base, classes, codes))
+
+
+def _list_samples(
+    path: str, base: str, classes: Sequence[str], codes: dict[str, int] | None
+) -> Iterator[Sample]:
+    for name, label, by_index, number, _ in _list_lines(path):
+        if by_index and codes is None:
+            k = _label_index(path, number, int(label), classes)
+        elif codes is not None and (found := codes.get(label)) is not None:
+            k = found
+        else:  # the file changed since it was checked
+            raise ValueError(
+                f"{path}, line {number}: label {label!r} does not fit the labels read before "
+                "(the file changed during the build?); build again"
+            )
+        yield Sample(name, k, os.path.join(base, name), None)
+
+
+def _label_index(path: str, number: int, k: int, classes: Sequence[str] | None) -> int:
+    if k < 0 or (classes is not None and k >= len(classes)):
+        raise ValueError(
+            f"{path}, line {number}: label {k} is negative or beyond "
+            f"the {len(classes or ())} classes given"
+        )
+    return k
+
+
+def _mixed_labels(path: str, number: int, line: str, first: tuple[int, str, bool]) -> str:
+    name, index = "a class name", "an integer label"
+    this, that = (name, index) if first[2] else (index, name)
+    return (
+        f"{path}, line {number}: {line!r} has {this}, but line {first[0]} ({first[1]!r}) "
+        f"has {that}; write every label as a class name or every label as an integer "
+        "index, not both"
     )
-    return Source(tuple(classes), total, samples)
 
 
-def _list_lines(path: str, classes: Sequence[str] | None) -> Iterator[tuple[str, int, int]]:
-    """``(path, label, line number)`` of each line, checked."""
+def _list_lines(path: str) -> Iterator[tuple[str, str, bool, int, str]]:
+    """``(path, label, label is an index, line number, line)`` of each line with a sample."""
     with open(path, encoding="utf-8-sig") as lines:
         for number, line in enumerate(map(str.strip, lines), 1):
             if not line or line.startswith("#"):
@@ -168,16 +225,11 @@ def _list_lines(path: str, classes: Sequence[str] | None) -> Iterator[tuple[str,
             match = _LIST_LINE.fullmatch(line)
             if match is None:
                 raise ValueError(
-                    f"{path}, line {number}: expected 'path,label' or 'path label' "
-                    f"with an integer label, got {line!r}"
+                    f"{path}, line {number}: expected 'path,label' or 'path label' (the "
+                    f"label last: an integer index or a class name), got {line!r}"
                 )
-            label = int(match["label"])
-            if label < 0 or (classes is not None and label >= len(classes)):
-                raise ValueError(
-                    f"{path}, line {number}: label {label} is negative or beyond "
-                    f"the {len(classes or ())} classes given"
-                )
-            yield match["path"], label, number
+            index = match["index"]
+            yield match["path"], index or match["name"], index is not None, number, line
 
 
 def parquet_source(

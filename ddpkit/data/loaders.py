@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -70,15 +72,15 @@ def _default_workers(local_world_size: int) -> int:
     return min(8, cpu_share(local_world_size))
 
 
-# Ctrl-C, and torchrun or a container runtime stopping the job, signal the whole
-# process group; the training process stops cleanly at the next step and still
-# needs its workers until then (they exit with it: torch's workers watch their parent).
-_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
-
-
 def _worker_start(worker_id: int) -> None:
-    for name in _STOP_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    # Ctrl-C, torchrun and a container runtime signal a whole process group; the
+    # training process stops cleanly at the next step and needs its workers until
+    # then. A group of their own keeps those signals from them, while a SIGTERM
+    # sent to the worker itself (how DataLoader and multiprocessing end them)
+    # still works. They exit with their parent: torch's workers watch it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
 
 
 def _loader_seed(seed: int, rank: int) -> int:
@@ -145,7 +147,8 @@ def build_loader(
 
     Raises:
         ValueError: both or neither batch size, one below 1, a global batch
-            size that does not divide over the ranks, or ``workers < 0``.
+            size that does not divide over the ranks, ``workers < 0``, or a
+            batch larger than the dataset with ``drop_last`` (0 batches an epoch).
         TypeError: ``dataset`` is an ``IterableDataset`` (no sampler applies).
 
     Example:
@@ -168,6 +171,14 @@ def build_loader(
         pin_memory = torch.cuda.is_available() and (info is None or info.device.type == "cuda")
 
     sized: Any = dataset  # map-style: checked above, samplers need len()
+    if drop_last and len(sized) // world < per_process:
+        # Decided from numbers every rank shares, so every rank raises, none hangs.
+        raise ValueError(
+            f"build_loader: the dataset has {len(sized)} samples and a batch takes {per_process} "
+            f"per process x {world} process(es) = {per_process * world}; with drop_last=True "
+            "every epoch would have 0 batches. Lower the batch size (at most "
+            f"{max(len(sized) // world, 1)} per process), use more data, or pass drop_last=False"
+        )
     sampler: Sampler[int]
     if train and world > 1:
         sampler = DistributedSampler(

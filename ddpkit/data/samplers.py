@@ -10,6 +10,7 @@ crops an uninterrupted one would.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -146,6 +147,13 @@ class SeededSamples(Dataset[Any]):
     the run was resumed from a checkpoint: that is what makes a resumed run
     bit-identical to an uninterrupted one. The rank is not part of the seed, so
     the augmentations do not depend on the world size either.
+
+    It is what ``build_loader(..., train=True).dataset`` is, and it reads like
+    the dataset it wraps: ``len()``, attributes such as ``.classes`` and
+    ``.targets`` (the wrapped dataset itself is ``.dataset``), and
+    ``loader.dataset[i]`` with an int gives sample ``i`` augmented as in epoch
+    0 (the caller's RNGs are left as they were). The sampler asks for
+    ``(epoch, index)`` pairs.
     """
 
     def __init__(self, dataset: Dataset[Any], seed: int) -> None:
@@ -155,13 +163,27 @@ class SeededSamples(Dataset[Any]):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
+    def __getitem__(self, key: tuple[int, int] | int) -> Any:
+        if isinstance(key, tuple):
+            epoch, index = key
+        else:
+            epoch, index = 0, self._index(key)
         # In a worker the RNGs are the worker's own; in this process (workers=0)
         # they are the training loop's, so they are put back afterwards.
         restore = get_worker_info() is None
         with seeded(sample_seed(self.seed, epoch, index), restore=restore):
             return self.dataset[index]
+
+    def _index(self, key: Any) -> int:
+        try:
+            index = operator.index(key)
+        except TypeError:
+            raise TypeError(
+                f"a training loader's dataset takes an int index (or an (epoch, index) pair), "
+                f"got {type(key).__name__}; index loader.dataset.dataset for anything else"
+            ) from None
+        # A negative index is the sample it stands for, with that sample's seed.
+        return index + len(self) if index < 0 else index
 
     def __getattr__(self, name: str) -> Any:
         # .classes, .targets ... of the wrapped dataset; guard against lookups

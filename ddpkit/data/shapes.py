@@ -43,8 +43,10 @@ def make_shapes_dataset(
 ) -> tuple[Path, Path]:
     """Write ``root/train/<class>/*.jpg`` and ``root/val/<class>/*.jpg``, an ImageFolder of shapes.
 
-    Class ``k`` is ``SHAPE_CLASSES[k]`` (``"red_circle"``, ``"green_circle"``,
-    ``"blue_circle"``, ``"red_triangle"``, ...).
+    The folders are the first ``classes`` names of ``SHAPE_CLASSES``
+    (``"red_circle"``, ``"green_circle"``, ``"blue_circle"``, ``"red_triangle"``,
+    ...); after ``build_lmdb``, as with ImageFolder, label ``k`` is the ``k``-th
+    folder name in sorted order (``"blue_circle"`` is 0 for 6 classes).
     Each image is drawn from its own generator seeded with ``(seed, split,
     class, index)``, so the same arguments give byte-identical files. A split
     whose tree already holds exactly the requested classes and counts is

@@ -1,0 +1,136 @@
+"""Learning curves from a run's ``metrics.jsonl``: one PNG a person can read at a glance.
+
+``ddpkit plot RUN_DIR`` and the end of :func:`ddpkit.fit` (with ``log_dir``)
+draw it. matplotlib is an optional extra (``pip install 'ddpkit[plot]'``);
+without it :class:`PlotUnavailable` says how to install it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PlotUnavailable", "plot_run", "read_metrics"]
+
+# The panels: title, then (record key, label) of each curve.
+_PANELS = (
+    ("loss", (("train_loss", "train"), ("val_loss", "validation"))),
+    ("accuracy (%)", (("val_acc1", "top-1"), ("val_acc5", "top-5"))),
+    ("learning rate", (("lr", "lr"),)),
+    ("speed", (("train_images_per_sec", "images/s"),)),
+    ("waiting for data (% of time)", (("data_wait", "data wait"),)),
+)
+
+
+class PlotUnavailable(RuntimeError):
+    """matplotlib is not installed; the message says how to install it."""
+
+
+def read_metrics(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The last run's header and its epochs in ``metrics.jsonl``, one record per epoch.
+
+    A resumed run repeats the epochs after its checkpoint: the last record of
+    each epoch wins. Lines that are not JSON (a line cut by a crash) are skipped.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        ValueError: it holds no epoch.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file; fit(report=ReportConfig(log_dir=...)) "
+                                "writes metrics.jsonl into log_dir")  # fmt: skip
+    header: dict[str, Any] = {}
+    epochs: dict[int, dict[str, Any]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            if "run" in record:
+                run = record["run"]
+                if not (isinstance(run, dict) and run.get("resumed")):
+                    epochs.clear()  # a fresh run: what came before is another run
+                header = run if isinstance(run, dict) else {}
+            elif isinstance(record.get("epoch"), int):
+                epochs[record["epoch"]] = record
+    if not epochs:
+        raise ValueError(f"{path} holds no epoch yet")
+    return header, [epochs[e] for e in sorted(epochs)]
+
+
+def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
+    """Draw the learning curves of the run in ``run_dir``; return the PNG's path.
+
+    Panels: train and validation loss, top-1 and top-5 accuracy, learning
+    rate, images per second, and the share of time spent waiting for data,
+    each against the epoch (counted from 1).
+
+    Args:
+        run_dir: the ``log_dir`` of the run (or its ``metrics.jsonl``).
+        out: where to write; default ``run_dir/curves.png``.
+
+    Raises:
+        PlotUnavailable: matplotlib is not installed.
+        FileNotFoundError, ValueError: as :func:`read_metrics`.
+
+    Example:
+        >>> plot_run("runs/exp1")
+        PosixPath('runs/exp1/curves.png')
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotUnavailable(
+            "plotting needs matplotlib: pip install 'ddpkit[plot]' (or pip install matplotlib)"
+        ) from None
+    header, records = read_metrics(run_dir)
+    base = Path(run_dir) if Path(run_dir).is_dir() else Path(run_dir).parent
+    out = Path(out) if out is not None else base / "curves.png"
+    panels = [(t, [(k, n) for k, n in c if any(_number(r.get(k)) for r in records)])
+              for t, c in _PANELS]  # fmt: skip
+    panels = [(t, c) for t, c in panels if c]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (title, curves) in zip(axes[0], panels, strict=True):
+        for key, label in curves:
+            points = [(r["epoch"], r[key]) for r in records if _number(r.get(key))]
+            scale = 100.0 if key == "data_wait" else 1.0
+            ax.plot([p[0] for p in points], [p[1] * scale for p in points], marker="o",
+                    markersize=3, label=label)  # fmt: skip
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        if key == "lr":
+            ax.set_yscale("log")
+        if len(curves) > 1:
+            ax.legend()
+    fig.suptitle(_title(header, records))
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _title(header: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    scored = [r for r in records if _number(r.get("val_acc1"))]
+    best = max(scored, key=lambda r: r["val_acc1"]) if scored else None
+    parts = [f"run {header['id']}" if "id" in header else "run"]
+    parts.append(f"{len(records)} epochs")
+    if best is not None:
+        parts.append(f"best top-1 {best['val_acc1']:.2f}% (epoch {best['epoch']})")
+    return ", ".join(parts)
