@@ -95,7 +95,7 @@ class Found:
 
     def describe(self) -> str:
         where = (
-            f"end of epoch {self.epoch + 1}"
+            f"end of epoch {self.epoch}"  # self.epoch is the next one's index
             if self.kind == "epoch"
             else f"in epoch {self.epoch + 1}"
         )

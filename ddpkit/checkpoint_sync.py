@@ -233,12 +233,13 @@ def restore_state(
         message = f"{found.name} holds RNG states for {saved} ranks and this job has {now}"
         if strict_rng:
             raise CheckpointError(f"{message}; pass strict_rng=False to resume without them")
-        warnings.warn(
-            f"{message}; resuming without restoring RNG state, so the run continues but "
-            "is not bit-exact with an uninterrupted one",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        if get_rank() == 0:  # the same words from every rank say nothing more
+            warnings.warn(
+                f"{message}; resuming without restoring RNG state, so the run continues but "
+                "is not bit-exact with an uninterrupted one",
+                RuntimeWarning,
+                stacklevel=4,
+            )
     unwrap_model(model).load_state_dict(state["model"])
     for name, obj in zip(names, parts, strict=True):
         if obj is not None:

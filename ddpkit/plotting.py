@@ -17,11 +17,14 @@ __all__ = ["PlotUnavailable", "plot_run", "read_metrics"]
 # The panels: title, then (record key, label) of each curve.
 _PANELS = (
     ("loss", (("train_loss", "train"), ("val_loss", "validation"))),
-    ("accuracy (%)", (("val_acc1", "top-1"), ("val_acc5", "top-5"))),
+    ("validation accuracy (%)", (("val_acc1", "top-1"), ("val_acc5", "top-5"))),
     ("learning rate", (("lr", "lr"),)),
-    ("speed", (("train_images_per_sec", "images/s"),)),
-    ("waiting for data (% of time)", (("data_wait", "data wait"),)),
+    ("training speed (images/s)", (("train_images_per_sec", "images/s"),)),
+    ("waiting for data (% of step time)", (("data_wait", "data wait"),)),
 )
+# Panels whose axis starts at 0, so that noise does not look like a trend; the
+# data-wait axis reaches at least 10 %, so 2 % looks as small as it is.
+_FROM_ZERO = {"train_images_per_sec": 0.0, "data_wait": 10.0}
 
 
 class PlotUnavailable(RuntimeError):
@@ -100,18 +103,27 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
     panels = [(t, [(k, n) for k, n in c if any(_number(r.get(k)) for r in records)])
               for t, c in _PANELS]  # fmt: skip
     panels = [(t, c) for t, c in panels if c]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, (title, curves) in zip(axes[0], panels, strict=True):
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (title, curves) in zip(axes.flat, panels, strict=False):
+        top = 0.0
         for key, label in curves:
             points = [(r["epoch"], r[key]) for r in records if _number(r.get(key))]
             scale = 100.0 if key == "data_wait" else 1.0
-            ax.plot([p[0] for p in points], [p[1] * scale for p in points], marker="o",
-                    markersize=3, label=label)  # fmt: skip
+            values = [p[1] * scale for p in points]
+            top = max([top, *values])
+            ax.plot([p[0] for p in points], values, marker="o", markersize=3, label=label)
         ax.set_title(title)
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
         if key == "lr":
             ax.set_yscale("log")
+        elif key in _FROM_ZERO:
+            ax.set_ylim(0, max(_FROM_ZERO[key], top * 1.15))
         if len(curves) > 1:
             ax.legend()
     fig.suptitle(_title(header, records))

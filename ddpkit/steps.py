@@ -304,13 +304,17 @@ class _FiniteCheck:
         self._first = torch.where(self._first < 0, found, self._first)
 
     def check(self, epoch: int) -> None:
-        """Raise :class:`TrainingError` if a loss so far was not finite (one host sync)."""
+        """Raise :class:`TrainingError` if a loss so far was not finite (one host sync).
+
+        ``epoch`` is the epoch's index; the message counts epochs and batches from 1.
+        """
         self._examine()
         bad = int(self._first.item())
         if bad < 0:
             return
         raise TrainingError(
-            f"the loss was not finite (nan or inf) in epoch {epoch}, step {bad} on rank "
+            f"the loss was not finite (nan or inf) in epoch {epoch + 1}, batch {bad + 1} of "
+            f"the epoch, on rank "
             f"{comm.get_rank()}. Lower the learning rate, train in bf16 (or fp16, which scales "
             "the loss) or check the inputs; the last checkpoint is from before this step. "
             + see("training-load_pretrained-wrap_ddp-focalloss-fit")

@@ -12,8 +12,10 @@ collective (which can hang too), each call bounded by ``BoundedCalls``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
+import functools
 import json
 import logging
 import math
@@ -285,12 +287,24 @@ class HangWatchdog:
         if self._stop.is_set():
             return
         rank = self._rank or 0
-        waits = rank == 0 and calls is not None and bool(self._heard)
+        # Rank 0 may host the store: it waits for the ranks it heard from to read the
+        # verdict. The others wait for each other (each reads the verdict within an
+        # interval), so that none exits, breaking its peers' collectives, before every
+        # rank has begun its own exit with status 124.
+        others = [r for r in range(1, self._world or 1) if r != rank]
+        waits = calls is not None and bool(self._heard if rank == 0 else others)
         grace = self.interval + 2 * _CALL_S if waits else _CALL_S
         # Logging can block for good (a full pipe, a lock the stuck thread holds): exit anyway.
         backstop = threading.Timer(_DUMP_S + grace, self._exit, (HANG_EXIT_CODE,))
         backstop.name, backstop.daemon = "ddpkit-watchdog-exit", True
         backstop.start()
+        # From here the exit status is 124 whatever ends the process first: a peer that
+        # exited breaks this rank's collective, and the main thread's error would end it
+        # with status 1 while these lines are still being written. The interpreter's exit
+        # waits here for the watchdog's own.
+        ending = threading.Event()
+        hold = functools.partial(_hold_exit, ending, _DUMP_S + grace + 1.0, self._exit)
+        atexit.register(hold)
         logger.error("%s", message)
         logger.error("hang watchdog: stacks of rank %d, all threads:\n%s", rank, format_stacks())
         with contextlib.suppress(Exception):  # a second channel, straight to descriptor 2
@@ -303,12 +317,21 @@ class HangWatchdog:
             with contextlib.suppress(DeadlinePassed, RuntimeError):
                 if rank != 0:
                     calls(store.set, f"ack/{rank}", "1")
-                elif waits:  # rank 0 may host the store: let the others read the verdict first
-                    acks = [f"ack/{r}" for r in self._heard]
+                if waits:
+                    acks = [f"ack/{r}" for r in (self._heard if rank == 0 else others)]
                     calls(store.wait, acks, timedelta(seconds=grace))
         if not self._stop.is_set():
             self._exit(HANG_EXIT_CODE)
-        backstop.cancel()  # reached only where the exit function returns (tests)
+        # Reached only where the exit function returns (tests).
+        ending.set()
+        atexit.unregister(hold)
+        backstop.cancel()
+
+
+def _hold_exit(ending: threading.Event, limit: float, exit: Callable[[int], object]) -> None:
+    """At interpreter exit during a hang verdict: wait for the watchdog to end the process."""
+    if not ending.wait(limit):
+        exit(HANG_EXIT_CODE)
 
 
 def _verdict(beats: dict[int, dict[str, Any]], world: int, idle: float, timeout: float) -> str:

@@ -300,8 +300,8 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         faults=ddpkit.FaultConfig(hang_timeout=args.hang_timeout),
     )  # fmt: skip
     # Drawing curves.png can leave fit's frame, and with it the loaders, in a reference
-    # cycle. Collected now, their persistent workers stop here; left to the interpreter's
-    # exit, multiprocessing would wait for workers that ignore its SIGTERM, forever.
+    # cycle. Collected now, their persistent workers stop here, before the process group
+    # goes, instead of at the interpreter's exit.
     gc.collect()
     return history.last if history.records else {}
 

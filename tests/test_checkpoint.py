@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -222,8 +223,11 @@ def _resume_on_own_disk(rank: int, world_size: int, directory: str) -> dict[str,
     # Only rank 0's directory holds a checkpoint, as on nodes without a shared file system.
     model = nn.Linear(4, 2)
     manager = CheckpointManager(Path(directory, f"node{rank}"))
-    with pytest.warns(RuntimeWarning, match="RNG states for 1 ranks"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         start = manager.resume(model, strict_rng=False)
+    told = [str(w.message) for w in caught if "RNG states for 1 ranks" in str(w.message)]
+    assert len(told) == (1 if rank == 0 else 0), told  # said once, by rank 0
     return {"start": start, "weights": model.state_dict(), "read": manager.resumed_from}
 
 
@@ -281,3 +285,14 @@ def test_two_writers_sharing_a_directory_keep_latest_and_previous_apart(tmp_path
         "latest.pth", f"m-epoch{epochs - 1}-acc0.00.pth", f"m-epoch{epochs}-acc0.00.pth",
         "previous.pth",
     ]  # fmt: skip
+
+
+def test_a_checkpoint_describes_its_epoch_counted_from_1(tmp_path: Path) -> None:
+    from ddpkit.checkpoint_files import read_header
+
+    _save_one_process(tmp_path / "one", [10.0], keep_last=2)
+    first = read_header(tmp_path / "one" / "latest.pth").describe()
+    assert first == "latest.pth (epoch: end of epoch 1, step 0)"
+    _save_one_process(tmp_path / "two", [10.0, 40.0], keep_last=2)
+    second = read_header(tmp_path / "two" / "latest.pth").describe()
+    assert second == "latest.pth (epoch: end of epoch 2, step 0)"

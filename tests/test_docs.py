@@ -187,3 +187,15 @@ def test_error_messages_point_to_sections_that_exist() -> None:
     used = _used_anchors()
     assert len(used) >= 5, "the check finds too few see() calls"
     assert sorted(used - headings) == []
+
+
+def test_make_demo_draws_the_curves_the_quickstart_shows() -> None:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    target = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    assert "--demo --out demo-out" in target
+    assert "cp demo-out/checkpoints/curves.png docs/demo-curves.png" in target
+    png = ROOT / "docs" / "demo-curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    quickstart = (ROOT / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    assert "](demo-curves.png)" in quickstart
+    assert re.search(r"^epoch 8/8: train_loss .* data wait \d+%, [\d.]+ s$", quickstart, re.M)

@@ -251,6 +251,11 @@ def test_demo_trains_then_resumes(tmp_path: Path) -> None:
     assert "epoch 2/2: train_loss" in done.stdout
     assert "final val acc1" in done.stdout
     assert "after 2 epochs" in done.stdout
+    # The curves cover both jobs: the resumed one continues the first one's record.
+    from ddpkit.plotting import read_metrics
+
+    assert (checkpoints / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [r["epoch"] for r in read_metrics(checkpoints)[1]] == [1, 2]
 
 
 @pytest.mark.timeout(240)

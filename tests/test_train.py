@@ -184,7 +184,7 @@ def test_non_finite_loss_names_epoch_and_step() -> None:
         loss = nn.functional.cross_entropy(logits, targets)
         return loss * float("nan") if calls["n"] == 7 else loss  # epoch 1, step 2
 
-    with pytest.raises(TrainingError, match="in epoch 1, step 2"):
+    with pytest.raises(TrainingError, match="in epoch 2, batch 3 of the epoch"):
         fit(
             model,
             loader,
@@ -335,10 +335,12 @@ def test_the_first_non_finite_loss_is_found_across_the_checks_batches(bad: list[
     for i in range(100):
         check.add(i, torch.tensor(float("nan") if i in bad else 1.0))
         if i == 50 and bad and min(bad) <= 50:
-            with pytest.raises(TrainingError, match=f"step {min(bad)} on rank 0"):
+            told = f"batch {min(bad) + 1} of the epoch, on rank 0"
+            with pytest.raises(TrainingError, match=told):
                 check.check(epoch=3)  # an earlier check point (the progress bar's)
     if bad:
-        with pytest.raises(TrainingError, match=f"in epoch 3, step {min(bad)} on rank 0"):
+        told = f"in epoch 4, batch {min(bad) + 1} of the epoch, on rank 0"
+        with pytest.raises(TrainingError, match=told):
             check.check(epoch=3)
     else:
         check.check(epoch=3)

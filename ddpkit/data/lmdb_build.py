@@ -135,7 +135,7 @@ def build_lmdb(
         map_size: the first LMDB map size in bytes (default 1 GiB); it doubles when full.
         overwrite: replace a database at ``output`` once the new one is complete;
             only an LMDB database is ever replaced.
-        progress: show a tqdm bar on stderr.
+        progress: show a tqdm bar on stderr when it is a terminal.
         allow_empty: write a database even when no image could be stored
             (by default that is an ``ImageError`` and nothing is written).
 
@@ -341,7 +341,9 @@ def _write(
     batch_bytes = 0
     try:
         with (
-            tqdm(total=src.total, unit="img", disable=not progress, desc="lmdb build") as bar,
+            tqdm(
+                total=src.total, unit="img", disable=None if progress else True, desc="lmdb build"
+            ) as bar,
             closing(ordered_map(prepare, src.samples, workers)) as prepared,
         ):
             for chunk, results in prepared:

@@ -79,7 +79,7 @@ def verify_report(
     Args:
         path: the database.
         workers: decoding threads (default: usable CPUs).
-        progress: show a tqdm bar on stderr.
+        progress: show a tqdm bar on stderr when it is a terminal.
 
     Returns:
         A :class:`VerifyReport`: the count and every record that does not decode.
@@ -99,7 +99,9 @@ def verify_report(
     threads = workers or usable_cpus()
     with (
         env_for_reading(path) as env,
-        tqdm(total=len(index), unit="img", disable=not progress, desc="lmdb verify") as bar,
+        tqdm(
+            total=len(index), unit="img", disable=None if progress else True, desc="lmdb verify"
+        ) as bar,
         closing(ordered_map(decode, _records(env, len(index)), threads)) as checked,
     ):
         for chunk, found in checked:
