@@ -40,7 +40,9 @@ if TYPE_CHECKING:
         train_transform,
         val_transform,
     )
+    from ddpkit.data.mixing import mixup_cutmix
     from ddpkit.dist import init_distributed, shutdown
+    from ddpkit.ema import model_ema
     from ddpkit.evaluation import evaluate
     from ddpkit.job import DistInfo
     from ddpkit.losses import FocalLoss
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from ddpkit.rank0 import Rank0Error, rank0_first, rank0_only
     from ddpkit.rendezvous import RendezvousError
     from ddpkit.reporting import ReportConfig
+    from ddpkit.schedules import linear_scaled_lr, warmup_schedule
     from ddpkit.serialization import CheckpointError, load_checkpoint, save_checkpoint
     from ddpkit.spawning import spawn
     from ddpkit.steps import TrainConfig, TrainingError
@@ -83,6 +86,10 @@ _EXPORTS = {
     "set_epoch": "ddpkit.data",
     "train_transform": "ddpkit.data",
     "val_transform": "ddpkit.data",
+    "mixup_cutmix": "ddpkit.data.mixing",
+    "model_ema": "ddpkit.ema",
+    "linear_scaled_lr": "ddpkit.schedules",
+    "warmup_schedule": "ddpkit.schedules",
     "init_distributed": "ddpkit.dist",
     "shutdown": "ddpkit.dist",
     "DistInfo": "ddpkit.job",
@@ -175,8 +182,11 @@ __all__ = [
     "get_world_size",
     "init_distributed",
     "is_main_process",
+    "linear_scaled_lr",
     "load_checkpoint",
     "load_pretrained",
+    "mixup_cutmix",
+    "model_ema",
     "no_sync",
     "normalize_batch",
     "plan_network",
@@ -189,6 +199,7 @@ __all__ = [
     "train_transform",
     "unwrap_model",
     "val_transform",
+    "warmup_schedule",
     "wrap_ddp",
 ]
 

@@ -36,6 +36,7 @@ from ddpkit.checkpoint_sync import (
     load_newest,
     next_generation,
     raise_earlier_failure,
+    rank0_state,
     restore_state,
     share_outcome,
 )
@@ -49,7 +50,6 @@ from ddpkit.serialization import (
     check_saveable,
 )
 from ddpkit.snapshot import BackgroundWriter, snapshot
-from ddpkit.transfer import broadcast_state
 
 __all__ = ["CheckpointManager"]
 
@@ -195,6 +195,7 @@ class CheckpointManager:
         extra: Mapping[str, Any] | None = None,
         step: int | None = None,
         block: bool = True,
+        ema: nn.Module | None = None,
     ) -> Path | None:
         """Save the state after ``epoch``. All ranks must call this, or it deadlocks.
 
@@ -205,7 +206,9 @@ class CheckpointManager:
             model, optimizer: the model (wrapped or not) and its optimizer.
             scheduler, scaler: an LR scheduler and a ``torch.amp.GradScaler``, or None.
             metrics: ``acc1`` names the weight file (0 without it) and picks
-                ``best.pth``; ``loss`` and the rest are stored.
+                ``best.pth``; ``loss`` and the rest are stored. With ``ema``
+                and an ``ema_acc1`` above ``acc1``, the weight file holds the
+                average's weights and is named (and ranked) by ``ema_acc1``.
             extra: anything else to store, weights_only-loadable.
             step: optimizer steps taken so far (``fit`` passes it); default:
                 the last step known to this manager.
@@ -213,6 +216,7 @@ class CheckpointManager:
                 state is copied to host memory (reusing the last such copy, kept
                 until :meth:`flush`); the next save, :meth:`wait` and
                 :meth:`resume` wait for the write.
+            ema: the model's average (``ddpkit.model_ema``), saved beside it.
 
         Returns:
             The path of ``latest.pth`` on the ranks that write, None on the others.
@@ -227,7 +231,7 @@ class CheckpointManager:
         step = self._step if step is None else step
         position = Position(epoch + 1, 0, 0, step, get_world_size())
         return self._save("epoch", epoch, position, model, optimizer, scheduler, scaler,
-                          metrics, extra, None, block)  # fmt: skip
+                          metrics, extra, None, block, ema)  # fmt: skip
 
     def save_step(
         self,
@@ -241,6 +245,7 @@ class CheckpointManager:
         loop: Any = None,
         extra: Mapping[str, Any] | None = None,
         block: bool = True,
+        ema: nn.Module | None = None,
     ) -> Path | None:
         """Save the state in the middle of an epoch, at ``position``. All ranks must call this.
 
@@ -251,7 +256,7 @@ class CheckpointManager:
             loop: this rank's running totals of the epoch (picklable), given back
                 by :meth:`resume` in :attr:`loop`.
             extra: anything else to store, weights_only-loadable.
-            block: as in :meth:`save`.
+            block, ema: as in :meth:`save`.
 
         Returns:
             The file's path on the ranks that write, None on the others.
@@ -259,25 +264,7 @@ class CheckpointManager:
         if kind not in ("step", "interrupted"):
             raise ValueError(f"kind must be 'step' or 'interrupted', got {kind!r}")
         return self._save(kind, position.epoch, position, model, optimizer, scheduler, scaler,
-                          None, extra, loop, block)  # fmt: skip
-
-    def _weights(self, model: nn.Module) -> dict[str, Any]:
-        """The model's state as rank 0 holds it, on every rank that writes.
-
-        DDP keeps parameters equal on all ranks, but each rank updates its
-        BatchNorm statistics with its own batch after rank 0's are broadcast:
-        a copy written by another rank takes rank 0's, or a resume from it
-        would not be exact. (A collective when several ranks write.)
-        """
-        net = unwrap_model(model)
-        weights = net.state_dict()
-        if not self.on_each_node or get_world_size() == 1:
-            return weights
-        buffers = {name: weights[name] for name, _ in net.named_buffers() if name in weights}
-        ours = broadcast_state(buffers if get_rank() == 0 else None, 0)
-        if get_rank() != 0:
-            weights.update(ours)  # a fresh dict from state_dict(): the model is not touched
-        return weights
+                          None, extra, loop, block, ema)  # fmt: skip
 
     @property
     def writes(self) -> bool:
@@ -318,6 +305,7 @@ class CheckpointManager:
         extra: Mapping[str, Any] | None,
         loop: Any,
         block: bool,
+        ema: nn.Module | None = None,
     ) -> Path | None:
         self._writer.join()  # at most one write in flight
         failed = self._writer.error
@@ -328,6 +316,12 @@ class CheckpointManager:
         if self._generation is None:
             self._generation = next_generation(self.directory)
         acc1 = float(metrics["acc1"]) if "acc1" in metrics else None
+        # The weight file holds the better of the model and its average, as measured.
+        ema_acc1 = float(metrics["ema_acc1"]) if ema is not None and "ema_acc1" in metrics else None
+        use_ema = ema_acc1 is not None and not math.isnan(ema_acc1) and (
+            acc1 is None or math.isnan(acc1) or ema_acc1 > acc1
+        )  # fmt: skip
+        acc1 = ema_acc1 if use_ema else acc1
         improved = kind == "epoch" and acc1 is not None and not math.isnan(acc1) and (
             self.best_acc1 is None or acc1 > self.best_acc1
         )  # fmt: skip
@@ -335,7 +329,9 @@ class CheckpointManager:
         self._step = max(self._step, position.step)
         path: Path | None = None
         error: BaseException | None = None
-        weights = self._weights(model)
+        gather = self.on_each_node and get_world_size() > 1
+        weights = rank0_state(unwrap_model(model), gather)
+        averaged = rank0_state(ema, gather) if ema is not None else None
         if self.writes:
             state = {
                 "format": FORMAT,
@@ -349,6 +345,8 @@ class CheckpointManager:
                 "loss": float(metrics["loss"]) if "loss" in metrics else None,
                 "lr": float(optimizer.param_groups[0]["lr"]),
                 "model": weights,
+                "ema": averaged,
+                "weights": "ema" if use_ema else "model",
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "scaler": scaler.state_dict() if scaler is not None else None,
@@ -396,6 +394,7 @@ class CheckpointManager:
         path: str | os.PathLike[str] | None = None,
         map_location: MapLocation = "cpu",
         strict_rng: bool = True,
+        ema: nn.Module | None = None,
     ) -> int:
         """Restore the newest complete checkpoint any rank holds; return the epoch to start in.
 
@@ -414,6 +413,7 @@ class CheckpointManager:
             strict_rng: refuse a checkpoint saved by a different number of ranks,
                 whose RNG states cannot be matched to these; with False, resume
                 without restoring RNG state, with a warning.
+            ema: the model's average, restored from the checkpoint's.
 
         Returns:
             The epoch to start in: the saved epoch + 1 after an epoch
@@ -422,7 +422,7 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: no checkpoint is loadable, ``path`` exists on no
-                rank, a part asked for is missing, or the world size changed
+                rank, a part asked for (the average too) is missing, or the world size changed
                 and ``strict_rng`` is True.
 
         Example:
@@ -438,7 +438,7 @@ class CheckpointManager:
             self.position = None
             return 0
         restored = restore_state(agreed.state, agreed.found, model,
-                                 (optimizer, scheduler, scaler), strict_rng)  # fmt: skip
+                                 (optimizer, scheduler, scaler), strict_rng, ema)  # fmt: skip
         self.position, self.loop = restored.position, restored.loop
         self.best_acc1, self._best_epoch = restored.best_acc1, restored.best_epoch
         self._step = self.position.step

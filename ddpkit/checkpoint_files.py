@@ -42,6 +42,7 @@ __all__ = [
     "PREVIOUS",
     "VERSION",
     "Found",
+    "averaged",
     "newest_first",
     "prune_steps",
     "read_header",
@@ -176,6 +177,11 @@ def newest_first(per_rank: list[list[Found]]) -> list[tuple[Found, list[int]]]:
     return [(f, holders[f.snapshot]) for f in ordered]
 
 
+def averaged(ema_state: dict[str, Any]) -> dict[str, Any]:
+    """The network weights in an ``AveragedModel``'s state: ``module.`` dropped, no counter."""
+    return {k.removeprefix("module."): v for k, v in ema_state.items() if k.startswith("module.")}
+
+
 def write_files(
     directory: Path,
     state: dict[str, Any],
@@ -211,7 +217,8 @@ def write_files(
         # Files and reports count epochs from 1: "epoch 1" is the first.
         name = f"{prefix}-epoch{epoch + 1}-acc{clean['acc1'] or 0.0:.2f}.pth"
         epoch_path = directory / name
-        save_checkpoint(clean["model"], epoch_path)
+        weights = clean["model"] if clean.get("weights") != "ema" else averaged(clean["ema"])
+        save_checkpoint(weights, epoch_path)
         if best:
             link_or_copy(epoch_path, directory / "best.pth")
         # latest.pth comes last, so the files it refers to exist whenever it does.

@@ -35,6 +35,7 @@ __all__ = [
     "load_newest",
     "next_generation",
     "raise_earlier_failure",
+    "rank0_state",
     "restore_state",
     "share_outcome",
 ]
@@ -213,8 +214,31 @@ class Restored:
     best_epoch: int | None
 
 
+def rank0_state(module: nn.Module, gather: bool) -> dict[str, Any]:
+    """``module``'s state as rank 0 holds it (with ``gather``; a collective), else as it is.
+
+    DDP keeps parameters equal on all ranks, but each rank updates its
+    BatchNorm statistics with its own batch after rank 0's are broadcast (and
+    an average of the model averages them): a copy written by another rank
+    takes rank 0's buffers, or a resume from it would not be exact.
+    """
+    weights = module.state_dict()
+    if not gather:
+        return weights
+    buffers = {name: weights[name] for name, _ in module.named_buffers() if name in weights}
+    ours = broadcast_state(buffers if get_rank() == 0 else None, 0)
+    if get_rank() != 0:
+        weights.update(ours)  # a fresh dict from state_dict(): the module is not touched
+    return weights
+
+
 def restore_state(
-    state: dict[str, Any], found: Found, model: nn.Module, parts: tuple[Any, ...], strict_rng: bool
+    state: dict[str, Any],
+    found: Found,
+    model: nn.Module,
+    parts: tuple[Any, ...],
+    strict_rng: bool,
+    ema: nn.Module | None = None,
 ) -> Restored:
     """Load ``state`` into ``model`` and ``parts`` (optimizer, scheduler, scaler; None: skipped).
 
@@ -228,6 +252,11 @@ def restore_state(
     for name, obj in zip(names, parts, strict=True):
         if obj is not None and state.get(name) is None:
             raise CheckpointError(f"{found.name} holds no {name} state; pass {name}=None to resume")
+    if ema is not None and state.get("ema") is None:
+        raise CheckpointError(
+            f"{found.name} holds no model average (EMA): it was saved without one. Resume "
+            "without ema= (fit(ema=None), no --model-ema), or start a new run with it"
+        )
     saved, now = int(state["world_size"]), get_world_size()
     if saved != now:
         message = f"{found.name} holds RNG states for {saved} ranks and this job has {now}"
@@ -244,6 +273,8 @@ def restore_state(
     for name, obj in zip(names, parts, strict=True):
         if obj is not None:
             obj.load_state_dict(state[name])
+    if ema is not None:
+        ema.load_state_dict(state["ema"])
     if saved == now:
         restore_rng_state(state["rng"][get_rank()])
     if "position" in state:

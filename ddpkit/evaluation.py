@@ -38,19 +38,24 @@ def evaluate(
     normalize: Normalize | None = (IMAGENET_MEAN, IMAGENET_STD),
     amp: Amp | None = None,
     device: torch.device | str | None = None,
-) -> dict[str, float]:
-    """Top-1 / top-5 accuracy, mean loss, sample count and speed over the whole dataset.
+) -> dict[str, Any]:
+    """Top-1 / top-5 accuracy, mean loss, per-class figures and speed over the whole dataset.
 
     Exact whatever the world size: each rank sums per-sample losses and
     correct predictions over its share (use an unpadded sampler such as
     ``build_loader(train=False)``'s, so every sample counts once), and the
-    sums are all-reduced once at the end. The forward pass runs on the
+    sums are all-reduced at the end. The forward pass runs on the
     unwrapped model, so ranks with different numbers of batches never wait
     on each other. All ranks must call it, or it deadlocks.
 
     Returns:
         ``acc1`` and ``acc5`` in percent, ``loss`` (mean per sample; nan
-        without ``criterion``), ``samples``, and ``images_per_sec`` (all ranks).
+        without ``criterion``), ``samples``, ``images_per_sec`` (all ranks);
+        per class (lists indexed by class, in percent, None where a class has
+        no samples or no predictions): ``recall`` (the class's accuracy) and
+        ``precision``; ``confusion`` (``confusion[t][p]``: samples of class
+        ``t`` predicted as ``p``; up to 1000 classes); ``worst_class`` and
+        ``worst_recall``, the class with the lowest recall.
 
     Example:
         >>> metrics = evaluate(model, val_loader, criterion=nn.CrossEntropyLoss())
@@ -77,7 +82,7 @@ def evaluate(
             totals.update(logits, targets, loss_sum)
     finally:
         net.train(was_training)
-    metrics: dict[str, float] = dict(totals.reduce())
+    metrics: dict[str, Any] = dict(totals.reduce())
     metrics["images_per_sec"] = metrics["samples"] / max(time.perf_counter() - start, 1e-9)
     return metrics
 

@@ -1,4 +1,8 @@
-"""``FocalLoss``: multi-class softmax focal loss that is ``cross_entropy`` at ``gamma=0``."""
+"""``FocalLoss``: multi-class softmax focal loss that is ``cross_entropy`` at ``gamma=0``.
+
+Targets are class indices or, as Mixup and CutMix make them, probabilities
+over the classes; either way ``gamma=0`` gives ``cross_entropy``'s value.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +33,12 @@ class FocalLoss(nn.Module):
     With ``gamma=0`` it equals ``F.cross_entropy(logits, y, weight=w,
     label_smoothing=smooth, ignore_index=..., reduction=...)``, times ``alpha``
     when ``alpha`` is a number.
+
+    The target may also hold probabilities, shaped like the logits (Mixup /
+    CutMix targets, ``ddpkit.mixup_cutmix``): then ``q = (1 - smooth) *
+    target + smooth / C`` and, as ``cross_entropy`` does with probability
+    targets, ``"mean"`` divides by the number of samples and
+    ``ignore_index`` does not apply.
 
     Args:
         num_class: number of classes; when given, checked against ``logits.shape[1]``.
@@ -125,6 +135,8 @@ class FocalLoss(nn.Module):
             )
         if self.weight is not None and self.weight.numel() != n_cls:
             raise ValueError(f"alpha has {self.weight.numel()} weights but logits have {n_cls}")
+        if target.is_floating_point() and target.ndim == logits.ndim:
+            return self._soft(logits, target)
         expected = (logits.shape[0], *logits.shape[2:])
         if tuple(target.shape) != expected or target.is_floating_point() or target.is_complex():
             raise ValueError(
@@ -158,6 +170,40 @@ class FocalLoss(nn.Module):
         # An all-ignored (or empty) batch gives 0 / 0 = nan, as cross_entropy does.
         denominator = valid.sum() if weight is None else weight[index].masked_fill(~valid, 0).sum()
         return loss.sum() / denominator
+
+    def _soft(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss for probability targets shaped like ``logits`` (Mixup, CutMix)."""
+        if target.shape != logits.shape:
+            raise ValueError(
+                f"probability targets must have the logits' shape {tuple(logits.shape)}, "
+                f"got {tuple(target.shape)}"
+            )
+        n_cls = logits.shape[1]
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        log_p = logits.to(dtype).log_softmax(1).movedim(1, -1).reshape(-1, n_cls)
+        q = target.to(dtype).movedim(1, -1).reshape(-1, n_cls)
+        if q.numel():
+            # One host sync, as for class indices: probabilities, or a mistake worth naming.
+            low, sums = torch.stack([q.min(), (q.sum(1) - 1).abs().max()]).tolist()
+            if low < 0 or sums > 1e-3:
+                raise ValueError(
+                    "probability targets must be >= 0 and sum to 1 over the classes, got a "
+                    f"minimum of {low:.4g} and a row sum off by {sums:.4g}; pass class indices "
+                    "(int64) or probabilities"
+                )
+        if self.smooth > 0:
+            q = (1 - self.smooth) * q + self.smooth / n_cls
+        per_class = q * self._focal(log_p)
+        if self.weight is not None:
+            per_class = per_class * self.weight.to(log_p.device, dtype)
+        loss = per_class.sum(1)
+        if self.alpha is not None:
+            loss = loss * self.alpha
+        if self.reduction == "none":
+            return loss.reshape(target.shape[0], *target.shape[2:])
+        if self.reduction == "sum":
+            return loss.sum()
+        return loss.sum() / loss.numel()  # per sample, as cross_entropy with probabilities
 
     def _focal(self, log_p: torch.Tensor) -> torch.Tensor:
         """Return ``-(1 - p)**gamma * log(p)`` element-wise from ``log(p)``."""

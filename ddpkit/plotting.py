@@ -17,7 +17,10 @@ __all__ = ["PlotUnavailable", "plot_run", "read_metrics"]
 # The panels: title, then (record key, label) of each curve.
 _PANELS = (
     ("loss", (("train_loss", "train"), ("val_loss", "validation"))),
-    ("validation accuracy (%)", (("val_acc1", "top-1"), ("val_acc5", "top-5"))),
+    (
+        "validation accuracy (%)",
+        (("val_acc1", "top-1"), ("val_acc5", "top-5"), ("val_ema_acc1", "top-1, EMA")),
+    ),
     ("learning rate", (("lr", "lr"),)),
     ("training speed (images/s)", (("train_images_per_sec", "images/s"),)),
     ("waiting for data (% of step time)", (("data_wait", "data wait"),)),
@@ -25,6 +28,8 @@ _PANELS = (
 # Panels whose axis starts at 0, so that noise does not look like a trend; the
 # data-wait axis reaches at least 10 %, so 2 % looks as small as it is.
 _FROM_ZERO = {"train_images_per_sec": 0.0, "data_wait": 10.0}
+# The last epoch's confusion matrix is drawn up to this many classes.
+CONFUSION_PLOT_MAX = 50
 
 
 class PlotUnavailable(RuntimeError):
@@ -72,9 +77,11 @@ def read_metrics(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dic
 def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
     """Draw the learning curves of the run in ``run_dir``; return the PNG's path.
 
-    Panels: train and validation loss, top-1 and top-5 accuracy, learning
-    rate, images per second, and the share of time spent waiting for data,
-    each against the epoch (counted from 1).
+    Panels: train and validation loss, top-1 and top-5 accuracy (and the
+    model average's top-1 with ``fit(ema=...)``), learning rate, images per
+    second, and the share of time spent waiting for data, each against the
+    epoch (counted from 1); and the last epoch's confusion matrix, row-normalised,
+    when it has at most 50 classes.
 
     Args:
         run_dir: the ``log_dir`` of the run (or its ``metrics.jsonl``).
@@ -103,11 +110,15 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
     panels = [(t, [(k, n) for k, n in c if any(_number(r.get(k)) for r in records)])
               for t, c in _PANELS]  # fmt: skip
     panels = [(t, c) for t, c in panels if c]
-    columns = min(3, len(panels))
-    rows = -(-len(panels) // columns)
+    confusion = _last_confusion(records)
+    count = len(panels) + (confusion is not None)
+    columns = min(3, count)
+    rows = -(-count // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False)
-    for ax in axes.flat[len(panels) :]:
+    for ax in axes.flat[count:]:
         ax.set_visible(False)
+    if confusion is not None:
+        _draw_confusion(axes.flat[len(panels)], *confusion, header)
     for ax, (title, curves) in zip(axes.flat, panels, strict=False):
         top = 0.0
         for key, label in curves:
@@ -132,6 +143,37 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _last_confusion(records: list[dict[str, Any]]) -> tuple[list[list[int]], int] | None:
+    """The newest epoch's confusion matrix and that epoch, if small enough to draw."""
+    for record in reversed(records):
+        matrix = record.get("val_confusion")
+        if isinstance(matrix, list) and matrix:
+            return (matrix, record["epoch"]) if len(matrix) <= CONFUSION_PLOT_MAX else None
+    return None
+
+
+def _draw_confusion(ax: Any, matrix: list[list[int]], epoch: int, header: dict[str, Any]) -> None:
+    """Each row (a true class) as shares of its samples, so small classes show as well."""
+    shares = [[v / max(sum(row), 1) for v in row] for row in matrix]
+    image = ax.imshow(shares, cmap="Blues", vmin=0.0, vmax=1.0)
+    ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    ax.set_title(f"confusion, epoch {epoch} (share of each true class)")
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    names = header.get("classes")
+    n = len(matrix)
+    if isinstance(names, list) and len(names) == n and n <= 20:
+        ax.set_xticks(range(n), [str(x) for x in names], rotation=90, fontsize=7)
+        ax.set_yticks(range(n), [str(x) for x in names], fontsize=7)
+    if n <= 12:
+        for t in range(n):
+            for p in range(n):
+                if matrix[t][p]:
+                    color = "white" if shares[t][p] > 0.5 else "black"
+                    ax.text(p, t, str(matrix[t][p]), ha="center", va="center", fontsize=7,
+                            color=color)  # fmt: skip
 
 
 def _number(value: Any) -> bool:

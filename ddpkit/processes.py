@@ -16,7 +16,9 @@ not the short failure settle; :func:`run_and_collect` leaves the verdict to the 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -58,6 +60,10 @@ _FAILURE_SETTLE_S = 1.5
 # Once a rank has stopped (or a stop signal was forwarded), how long the others
 # get to finish: the rank that writes the checkpoint may still be at it.
 STOP_GRACE_S = 120.0
+# At a timeout each unfinished child writes its Python stacks to stderr on this
+# signal (faulthandler), and gets this long to do so before it is killed.
+_STACKS_SIGNAL = signal.SIGUSR2
+_STACKS_S = 1.0
 
 # (index, "ok" | "error" | "stop", pickled value / message / pickled exception, traceback, time)
 _Report = tuple[int, Literal["ok", "error", "stop"], Any, str, float]
@@ -149,6 +155,8 @@ def _child_entry(
         os.setpgid(0, 0)
         signal.pthread_sigmask(signal.SIG_SETMASK, sigmask)
     die_with_parent(parent)  # a parent killed with SIGKILL must not leave its ranks running
+    with contextlib.suppress(AttributeError, RuntimeError, ValueError):
+        faulthandler.register(_STACKS_SIGNAL, all_threads=True)  # see _collect's timeout
     report: _Report
     try:
         value = target(index, *args)
@@ -359,10 +367,16 @@ def _collect(
         if first_end is not None and now >= first_end + grace:
             break
         if now > deadline:
-            missing = [labels.first + r for r in range(world_size) if r not in values]
+            left = [r for r in range(world_size) if r not in values]
+            for r in left:  # where each one is stuck, on stderr, before it is killed
+                with contextlib.suppress(OSError, TypeError):
+                    os.kill(processes[r].pid, _STACKS_SIGNAL)  # type: ignore[arg-type]
+            time.sleep(_STACKS_S)
+            missing = [labels.first + r for r in left]
             raise TimeoutError(
                 f"{len(missing)} of {world_size} ranks had not finished after {timeout:g} s: "
-                f"rank(s) {_ranks(missing)}. They were killed. {timeout_hint}".rstrip()
+                f"rank(s) {_ranks(missing)}. Their Python stacks are on stderr; they were "
+                f"killed. {timeout_hint}".rstrip()
             )
         try:
             rank, kind, payload, remote_tb, at = results.get(timeout=_POLL_S)

@@ -57,9 +57,13 @@ def epoch_line(record: dict[str, Any], epochs: int | None = None) -> str:
     """
     parts = []
     for key, form in (("train_loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("val_acc1", "{:.2f}%"),
-                      ("val_acc5", "{:.2f}%"), ("lr", "{:.4g}")):  # fmt: skip
+                      ("val_acc5", "{:.2f}%"), ("val_ema_acc1", "{:.2f}%"),
+                      ("lr", "{:.4g}")):  # fmt: skip
         if isinstance(record.get(key), int | float):
             parts.append(f"{key} {form.format(record[key])}")
+    worst = record.get("val_worst_recall")
+    if isinstance(worst, int | float) and record.get("val_worst_class") is not None:
+        parts.append(f"worst class {record['val_worst_class']} {worst:.1f}%")
     if "train_images_per_sec" in record:
         parts.append(f"{record['train_images_per_sec']:.0f} img/s")
     wait = record.get("data_wait")
@@ -140,7 +144,7 @@ class Reporter:
         self._write(record)
         if self._tb is not None:
             for key, value in record.items():
-                if isinstance(value, int | float) and key != "epoch":
+                if isinstance(value, int | float) and key not in ("epoch", "val_worst_class"):
                     self._tb.add_scalar(key, value, record["epoch"])
             self._tb.flush()
         self.say(epoch_line(record, epochs))
@@ -159,6 +163,10 @@ class Reporter:
                 ("best epoch", str(best["epoch"])),
                 ("best val_acc1", f"{best['val_acc1']:.2f}%"),
             ]
+        averaged = [r for r in records if isinstance(r.get("val_ema_acc1"), int | float)]
+        if averaged:
+            top = max(averaged, key=lambda r: r["val_ema_acc1"])
+            rows.append(("best EMA val_acc1", f"{top['val_ema_acc1']:.2f}% (epoch {top['epoch']})"))
         if speeds:
             rows.append(("images/s", f"{sum(speeds) / len(speeds):.0f}"))
         width = max(len(name) for name, _ in rows)

@@ -25,7 +25,7 @@ from ddpkit.control import Preempted, StepControl, Stop
 from ddpkit.data.resume import epoch_batches
 from ddpkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ddpkit.evaluation import AMP_DTYPES, Amp, Criterion, Normalize, autocast, to_device
-from ddpkit.parallel import no_sync
+from ddpkit.parallel import no_sync, unwrap_model
 from ddpkit.position import Position
 from ddpkit.reporting import Reporter
 from ddpkit.serialization import CheckpointError
@@ -52,13 +52,23 @@ class TrainConfig:
     Attributes:
         amp: ``"bf16"`` or ``"fp16"`` autocast; fp16 uses a GradScaler whose
             state is checkpointed. None: full precision.
-        grad_accum: micro-batches per optimizer step, at least 1.
+        grad_accum: micro-batches per optimizer step, at least 1. Each
+            micro-batch's loss is divided by the number of micro-batches of
+            its step: ``grad_accum``, or fewer for an epoch's last step when
+            the epoch's batches do not divide evenly (with a sized loader).
         clip_grad_norm: clip the total gradient norm to this value (> 0).
         scheduler_per_step: step the scheduler after each optimizer step
-            instead of after each epoch.
+            instead of after each epoch (``warmup_schedule``'s always are).
         normalize: ``(mean, std)`` for uint8 batches, applied on the device;
             None leaves batches as they come.
         device: where batches go; default: the model's parameters' device.
+        batch_transform: ``(images, targets) -> (images, targets)`` applied to
+            each training batch on the device after ``normalize``, such as
+            ``ddpkit.mixup_cutmix(C)`` (targets then hold probabilities).
+        channels_last: move image batches to ``torch.channels_last`` memory
+            format (convert the model too, before ``wrap_ddp``:
+            ``model.to(memory_format=torch.channels_last)``); faster convolutions
+            on recent GPUs.
 
     Raises:
         ValueError: a value out of range; the message names it.
@@ -70,6 +80,10 @@ class TrainConfig:
     scheduler_per_step: bool = False
     normalize: Normalize | None = (IMAGENET_MEAN, IMAGENET_STD)
     device: torch.device | str | None = None
+    batch_transform: (
+        Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None
+    ) = None
+    channels_last: bool = False
 
     def __post_init__(self) -> None:
         if self.amp is not None and self.amp not in AMP_DTYPES:
@@ -78,6 +92,8 @@ class TrainConfig:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}")
+        if self.batch_transform is not None and not callable(self.batch_transform):
+            raise ValueError(f"batch_transform must be callable, got {self.batch_transform!r}")
         if self.normalize is not None and len(self.normalize[0]) != len(self.normalize[1]):
             raise ValueError(
                 f"normalize=(mean, std) needs as many means as stds, got {self.normalize}"
@@ -102,20 +118,24 @@ class Run:
     world_size: int = 1
     rank: int = 0
     step: int = 0  # optimizer steps since the run began, over all epochs
+    ema: Any = None  # an AveragedModel updated after each optimizer step
+    per_step: bool = False  # the scheduler steps after each optimizer step
 
     def tick(self, phase: str) -> None:
         """Tell the hang watchdog where this rank is."""
         if self.watchdog is not None:
             self.watchdog.progress(self.step, phase)
 
-    def update(self, images: torch.Tensor, targets: torch.Tensor, update: bool) -> torch.Tensor:
-        """One micro-batch: forward and backward; with ``update``, the optimizer step."""
+    def update(
+        self, images: torch.Tensor, targets: torch.Tensor, update: bool, count: int
+    ) -> torch.Tensor:
+        """One micro-batch of ``count`` in its step: forward, backward; ``update``: the step."""
         config, scaler = self.config, self.scaler
         # Only the micro-step that completes an update all-reduces gradients.
         with no_sync(self.model, enabled=not update), autocast(self.device, config.amp):
             loss = self.criterion(self.model(images), targets)
         # Dividing by 1 would add a kernel and an autograd node to every step.
-        scaled = loss / config.grad_accum if config.grad_accum > 1 else loss
+        scaled = loss / count if count > 1 else loss
         if scaler is not None:
             scaler.scale(scaled).backward()  # type: ignore[no-untyped-call]
         else:
@@ -131,6 +151,8 @@ class Run:
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.ema is not None:
+                self.ema.update_parameters(unwrap_model(self.model))
         return loss.detach()
 
 
@@ -167,6 +189,7 @@ def train_epoch(
                 "seconds": before + time.perf_counter() - began}  # fmt: skip
 
     i, k = part.done - 1, 0
+    rate = run.optimizer.param_groups[0]["lr"]
     batches = iter(part.batches)
     while True:
         run.tick("data")
@@ -179,9 +202,13 @@ def train_epoch(
         run.tick("compute")
         i += 1
         images, targets = to_device(images, targets, dev, config.normalize)
+        if config.channels_last and images.dim() == 4:
+            images = images.contiguous(memory_format=torch.channels_last)
+        if config.batch_transform is not None:
+            images, targets = config.batch_transform(images, targets)
         last = part.total is not None and i + 1 == part.total
         update = (i + 1) % config.grad_accum == 0 or last
-        loss = run.update(images, targets, update)
+        loss = run.update(images, targets, update, _group_size(i, part.total, config.grad_accum))
         n = targets.shape[0]
         # One kernel. A float32 loss times a count is exact in float64: the same sum as
         # adding ``loss.double() * n``.
@@ -192,7 +219,8 @@ def train_epoch(
         k += 1
         if update:
             run.step += 1
-            if run.scheduler is not None and config.scheduler_per_step:
+            rate = run.optimizer.param_groups[0]["lr"]  # the rate this step used
+            if run.scheduler is not None and run.per_step:
                 run.scheduler.step()
             run.tick("done")
             _between_steps(run, Position(epoch, i + 1, consumed, run.step, world), last, totals)
@@ -204,6 +232,8 @@ def train_epoch(
         # An unsized loader ended mid-accumulation: apply what was accumulated.
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
+        if run.ema is not None:
+            run.ema.update_parameters(unwrap_model(run.model))
     seconds = before + time.perf_counter() - began
     if bar is not None:
         bar.close()
@@ -218,10 +248,22 @@ def train_epoch(
         "train_loss": float(total[0].item()) / max(global_samples, 1),
         "train_samples": global_samples,
         "train_images_per_sec": global_samples / max(seconds, 1e-9),
-        "lr": float(run.optimizer.param_groups[0]["lr"]),
+        "lr": float(rate),  # of the epoch's last step
         "seconds": seconds,
         "data_wait": float(total[2].item()) / max(float(total[3].item()), 1e-9),
     }
+
+
+def _group_size(index: int, total: int | None, accum: int) -> int:
+    """Micro-batches in the optimizer step of micro-batch ``index`` (an epoch's last may be short).
+
+    Unknown for a loader without a length: ``accum`` (the last step's gradient is then
+    smaller than a full step's).
+    """
+    if total is None or accum == 1:
+        return accum
+    first = index - index % accum
+    return min(accum, total - first)
 
 
 def _between_steps(
@@ -238,7 +280,7 @@ def _between_steps(
     if manager is not None and not last and (actions.save or manager.step_due(run.step)):
         run.tick("save")
         manager.save_step(position, run.model, run.optimizer, run.scheduler, run.scaler,
-                          loop=totals(), block=False)  # fmt: skip
+                          loop=totals(), block=False, ema=run.ema)  # fmt: skip
         run.control.saved()
 
 
@@ -259,7 +301,8 @@ def stop_now(run: Run, stop: Stop, position: Position | None, totals: Any) -> No
     if manager is not None:
         if position is not None:
             path = manager.save_step(position, run.model, run.optimizer, run.scheduler,
-                                     run.scaler, kind="interrupted", loop=totals)  # fmt: skip
+                                     run.scaler, kind="interrupted", loop=totals,
+                                     ema=run.ema)  # fmt: skip
         else:
             manager.flush()
             path = manager.latest_path if manager.writes else None

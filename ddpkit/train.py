@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import math
 import os
@@ -35,6 +36,7 @@ from ddpkit import comm
 from ddpkit.checkpoint import CheckpointManager
 from ddpkit.control import StepControl
 from ddpkit.devices import module_device
+from ddpkit.ema import sync_ema_buffers
 from ddpkit.evaluation import Criterion, evaluate
 from ddpkit.position import Position
 from ddpkit.reporting import ReportConfig, Reporter
@@ -55,6 +57,9 @@ logger = logging.getLogger("ddpkit")
 # fit()'s keyword arguments before they moved into TrainConfig / ReportConfig.
 _TRAIN_KEYS = ("amp", "grad_accum", "clip_grad_norm", "scheduler_per_step", "normalize", "device")
 _REPORT_KEYS = ("progress", "log_dir")
+# The confusion matrix goes into each epoch's record (and metrics.jsonl) up to this
+# many classes; beyond, evaluate() still returns it and per-class figures stay.
+_CONFUSION_IN_RECORD = 100
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +118,7 @@ def fit(
     epochs: int,
     val_loader: Iterable[Any] | None = None,
     scheduler: Any = None,
+    ema: nn.Module | None = None,
     config: TrainConfig | None = None,
     checkpoints: CheckpointManager | None = None,
     resume: bool | str | os.PathLike[str] = False,
@@ -147,8 +153,17 @@ def fit(
         criterion: ``criterion(logits, targets) -> loss`` (mean over the batch).
         epochs: train until this many epochs are done (counting resumed ones).
         val_loader: evaluated after each epoch; metrics are exact across ranks.
-        scheduler: stepped after each epoch (or each optimizer step with
-            ``config.scheduler_per_step``).
+            The record holds ``val_acc1`` ... and per class ``val_recall``,
+            ``val_precision`` (and ``val_confusion`` up to 100 classes), and
+            ``val_worst_class`` (a name when the dataset has ``classes``).
+        scheduler: stepped after each epoch, or after each optimizer step
+            with ``config.scheduler_per_step`` or when :func:`warmup_schedule`
+            made it.
+        ema: an average of the model (:func:`ddpkit.model_ema`), updated
+            after each optimizer step, evaluated beside the model each epoch
+            (``val_ema_acc1`` ...), checkpointed and restored with it; the
+            epoch's weight file (and ``best.pth``) holds whichever of the two
+            scored the higher ``val_acc1``.
         config: how each step runs (:class:`TrainConfig`); default ``TrainConfig()``.
         checkpoints: where and how often to save (and resume from).
         resume: True: continue from the newest complete checkpoint any rank
@@ -198,7 +213,8 @@ def fit(
     start, carried = None, None
     if resume is not False and checkpoints is not None:
         path = None if resume is True else resume
-        checkpoints.resume(model, optimizer, scheduler, scaler, path=path, strict_rng=False)
+        checkpoints.resume(model, optimizer, scheduler, scaler, path=path, strict_rng=False,
+                           ema=ema)  # fmt: skip
         start = checkpoints.position
         carried = _carried(checkpoints.loop, start, world, rank)
     history = History()
@@ -215,16 +231,18 @@ def fit(
             watchdog = stack.enter_context(HangWatchdog(timeout=faults.hang_timeout))
         reporter = Reporter(report, is_main=comm.is_main_process())
         stack.callback(reporter.close)
-        reporter.start(_header(world, epochs, config), resumed=start is not None)
+        header = _header(world, epochs, config, val_loader or train_loader)
+        reporter.start(header, resumed=start is not None)
         if start is not None and start.epoch >= epochs:
             reporter.say(f"nothing to do: finished at epoch {start.epoch} of {epochs}")
         elif start is not None:
             reporter.say(f"resuming at epoch {start.epoch + 1} step {start.step} "
                          f"({start.batches} batches of the epoch done)")  # fmt: skip
         _check_batches(train_loader, world)
+        per_step = config.scheduler_per_step or bool(getattr(scheduler, "per_step", False))
         run = Run(model, optimizer, criterion, config, dev, scaler, scheduler, checkpoints,
                   control, reporter, watchdog, world, rank,
-                  start.step if start is not None else 0)  # fmt: skip
+                  start.step if start is not None else 0, ema, per_step)  # fmt: skip
         try:
             first = start.epoch if start is not None else 0
             for epoch in range(first, epochs):
@@ -254,11 +272,16 @@ def _finish_epoch(
 ) -> None:
     """Validate, step the scheduler, report, save the epoch checkpoint, stop if asked."""
     config = run.config
+    if run.ema is not None:
+        sync_ema_buffers(run.ema)  # rank 0's, as the model's: the same average everywhere
     if val_loader is not None:
-        val = evaluate(run.model, _ticking(val_loader, run), criterion=run.criterion,
-                       normalize=config.normalize, amp=config.amp, device=run.device)  # fmt: skip
-        record.update({f"val_{k}": v for k, v in val.items()})
-    if run.scheduler is not None and not config.scheduler_per_step:
+        measure = functools.partial(evaluate, criterion=run.criterion, normalize=config.normalize,
+                                    amp=config.amp, device=run.device)  # fmt: skip
+        record.update(_val_record(measure(run.model, _ticking(val_loader, run)), val_loader))
+        if run.ema is not None:
+            averaged = measure(run.ema.module, _ticking(val_loader, run))
+            record.update({f"val_ema_{k}": averaged[k] for k in ("acc1", "acc5", "loss")})
+    if run.scheduler is not None and not run.per_step:
         run.scheduler.step()
     record["wall_seconds"] = time.perf_counter() - began
     history.records.append(record)
@@ -269,12 +292,26 @@ def _finish_epoch(
     if manager is not None:
         run.tick("save")
         metrics = {"acc1": record.get("val_acc1", 0.0), "loss": record["train_loss"]}
+        if "val_ema_acc1" in record:
+            metrics["ema_acc1"] = record["val_ema_acc1"]
         manager.save(epoch, run.model, run.optimizer, run.scheduler, run.scaler,
-                     metrics=metrics, step=run.step, block=False)  # fmt: skip
+                     metrics=metrics, step=run.step, block=False, ema=run.ema)  # fmt: skip
         run.control.saved()
     stop = run.control.stop_at_epoch_end()
     if stop is not None:
         stop_now(run, stop, None, None)
+
+
+def _val_record(val: dict[str, Any], loader: Iterable[Any]) -> dict[str, Any]:
+    """``evaluate``'s figures as ``val_*`` keys; the worst class named, a big matrix left out."""
+    val = dict(val)
+    if len(val.get("confusion", ())) > _CONFUSION_IN_RECORD:
+        del val["confusion"]
+    classes = getattr(getattr(loader, "dataset", None), "classes", None)
+    worst = val.get("worst_class")
+    if worst is not None and isinstance(classes, Sequence) and worst < len(classes):
+        val["worst_class"] = str(classes[worst])
+    return {f"val_{k}": v for k, v in val.items()}
 
 
 def _ticking(loader: Iterable[Any], run: Run) -> Iterator[Any]:
@@ -299,13 +336,15 @@ def _carried(loop: Any, start: Position | None, world: int, rank: int) -> Any:
     }
 
 
-def _header(world: int, epochs: int, config: TrainConfig) -> dict[str, Any]:
-    """What ``metrics.jsonl`` records about a run when it starts."""
+def _header(world: int, epochs: int, config: TrainConfig, loader: Any) -> dict[str, Any]:
+    """What ``metrics.jsonl`` records about a run when it starts (the class names too)."""
     import torchvision
 
     from ddpkit._version import __version__
 
+    classes = getattr(getattr(loader, "dataset", None), "classes", None)
     return {
+        "classes": [str(c) for c in classes] if isinstance(classes, Sequence) else None,
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": sys.argv,
         "world_size": world,

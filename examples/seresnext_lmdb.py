@@ -74,11 +74,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-j", "--workers", type=_number(int, 0, False), metavar="N",
                    help="data workers per node, divided over its processes rounded\n"
                         "up (-j 4 on 8 GPUs: 1 each); default: a CPU share, at most 8")  # fmt: skip
-    p.add_argument("--epochs", type=int, default=90)
-    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--epochs", type=_number(int, 1, False), default=90)
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--lr", type=_number(float, 0, True), default=0.1,
+                      help="the peak learning rate (default 0.1)")  # fmt: skip
+    rate.add_argument("--lr-base", type=_number(float, 0, True), metavar="LR",
+                      help="the learning rate per 256 images, scaled by -b (linear\n"
+                           "scaling rule): --lr-base 0.1 -b 1024 is --lr 0.4")  # fmt: skip
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4)
-    p.add_argument("--milestones", type=int, nargs="*", default=[30, 60], help="x0.1 at these")
+    p.add_argument("--sched", choices=["step", "cosine"], default="step",
+                   help="after the warm-up: x0.1 at --milestones (step), or a cosine\n"
+                        "to 0 at the last epoch; stepped after every optimizer step")  # fmt: skip
+    p.add_argument("--milestones", type=int, nargs="*", default=[30, 60],
+                   help="with --sched step: x0.1 at the start of these epochs")  # fmt: skip
+    p.add_argument("--warmup-epochs", type=_number(float, 0, False), default=0.0, metavar="E",
+                   help="linear warm-up from 1%% of the rate over E epochs")  # fmt: skip
+    p.add_argument("--model-ema", action="store_true",
+                   help="keep an exponential moving average of the weights, evaluated\n"
+                        "beside them each epoch; the better is the epoch's weights")  # fmt: skip
+    p.add_argument("--model-ema-decay", type=float, default=0.9998, metavar="D",
+                   help="the average's decay per optimizer step (default 0.9998)")  # fmt: skip
+    p.add_argument("--mixup", type=_number(float, 0, False), default=0.0, metavar="ALPHA",
+                   help="Mixup with Beta(ALPHA, ALPHA) (0: off; 0.8 is common)")  # fmt: skip
+    p.add_argument("--cutmix", type=_number(float, 0, False), default=0.0, metavar="ALPHA",
+                   help="CutMix with Beta(ALPHA, ALPHA) (0: off; 1.0 is common); with\n"
+                        "--mixup each batch gets one of the two")  # fmt: skip
+    p.add_argument("--clip-grad", type=_number(float, 0, True), metavar="NORM",
+                   help="clip the gradients' total norm to NORM")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (the first steps compile: slower)")  # fmt: skip
     p.add_argument("--amp", choices=["bf16", "fp16"], help="mixed precision")
     p.add_argument("--min-crop", type=float, default=0.08, help="RandomResizedCrop's smallest area")
     p.add_argument("--seed", type=int, default=0)
@@ -126,6 +151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--demo-epochs", type=int, default=7, help="then one more, resumed")
     p.add_argument("--demo-classes", type=int, default=6, help="colour x shape classes")
     p.add_argument("--demo-per-class", type=int, default=250, help="training images per class")
+    p.add_argument("--demo-recipe", choices=["modern", "classic"], default="modern",
+                   help="modern: 1 warm-up epoch, cosine, EMA; classic: x0.1 for the last\n"
+                        "epoch, as the recipe")  # fmt: skip
     args = p.parse_args(argv)
     if args.data is None and not args.demo:
         p.error("--data DIR is required (or --demo)")
@@ -146,6 +174,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--network is the start of a file name, without '/': got {args.network!r}")
     if args.evaluate and args.demo:
         p.error("--evaluate measures a checkpoint of --data; --demo trains its own: pick one")
+    if not 0 < args.model_ema_decay < 1:
+        p.error(f"--model-ema-decay must lie between 0 and 1, got {args.model_ema_decay}")
+    if args.warmup_epochs >= args.epochs and not args.demo:
+        p.error(f"--warmup-epochs {args.warmup_epochs:g} leaves nothing of --epochs {args.epochs}")
     return args
 
 
@@ -272,7 +304,15 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)
     if args.evaluate:
         return evaluate_only(info, args, build_model(args, classes), val_loader, criterion)
-    model = ddpkit.wrap_ddp(build_model(args, classes), device=info.device)
+    net = build_model(args, classes)
+    cuda = info.device.type == "cuda"
+    if cuda:  # the recipe's setting: cuDNN picks the fastest kernels for fixed input sizes
+        torch.backends.cudnn.benchmark = True
+        net = net.to(memory_format=torch.channels_last)  # with channels_last batches, below
+    model = ddpkit.wrap_ddp(net, device=info.device)
+    ema = ddpkit.model_ema(model, decay=args.model_ema_decay) if args.model_ema else None
+    if args.compile:
+        model = torch.compile(model)  # type: ignore[assignment]
 
     train_loader = ddpkit.build_loader(
         train_set, global_batch_size=args.batch_size, train=True, **kw
@@ -280,10 +320,20 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     logging.info(batch_line(args.batch_size, info.world_size, train_loader.batch_size,
                             train_loader.num_workers))  # fmt: skip
     params = [p for p in model.parameters() if p.requires_grad]
+    lr = args.lr if args.lr_base is None else ddpkit.linear_scaled_lr(args.lr_base, args.batch_size)
     optimizer = torch.optim.SGD(
-        params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay
+        params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
-    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, args.milestones, gamma=0.1)
+    scheduler = ddpkit.warmup_schedule(
+        optimizer, epochs=getattr(args, "schedule_epochs", None) or args.epochs,
+        steps_per_epoch=len(train_loader), warmup_epochs=args.warmup_epochs, decay=args.sched,
+        milestones=args.milestones if args.sched == "step" else (),
+    )  # fmt: skip
+    mix = None
+    if args.mixup or args.cutmix:
+        mix = ddpkit.mixup_cutmix(classes, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix)
+    config = ddpkit.TrainConfig(amp=args.amp, clip_grad_norm=args.clip_grad,
+                                batch_transform=mix, channels_last=cuda)  # fmt: skip
     checkpoints = ddpkit.CheckpointManager(
         args.checkpoints, prefix=weights_prefix(args), keep_last=args.keep_last,
         every_steps=args.save_every_steps, every_minutes=args.save_every_minutes,
@@ -293,7 +343,7 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     resume = args.resume or info.restart_count > 0
     history = ddpkit.fit(
         model, train_loader, optimizer, criterion=criterion, epochs=args.epochs,
-        val_loader=val_loader, scheduler=scheduler, config=ddpkit.TrainConfig(amp=args.amp),
+        val_loader=val_loader, scheduler=scheduler, ema=ema, config=config,
         checkpoints=checkpoints, resume=resume,
         report=ddpkit.ReportConfig(log_dir=args.log_dir or args.checkpoints,
                                    progress=not args.demo),  # a bar on rank 0, not in the demo
@@ -335,6 +385,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return train(info, args)
 
 
+# What --demo-recipe changes in the demo's training (benchmarks.md compares the two).
+_DEMO_RECIPES: dict[str, dict[str, Any]] = {
+    "classic": {"sched": "step"},
+    "modern": {"sched": "cosine", "warmup_epochs": 1.0, "model_ema": True, "model_ema_decay": 0.98},
+}
+
+
 def demo(args: argparse.Namespace) -> dict[str, Any]:
     """Shapes -> LMDB -> a small SE-ResNeXt trained from scratch on 2 processes, then resumed."""
     start, out = time.perf_counter(), Path(args.out)
@@ -350,6 +407,8 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         "requires_grad": True, "min_crop": 0.7, "lr": 0.05, "epochs": args.demo_epochs,
         "batch_size": min(64, images // nprocs * nprocs),  # tiny test runs still take a step
         "milestones": [args.demo_epochs - 1], "workers": 0, "network": "demo",
+        # The schedule spans both jobs: the first stops after 7 of its 8 epochs.
+        "schedule_epochs": args.demo_epochs + 1, **_DEMO_RECIPES[args.demo_recipe],
         "checkpoints": str(out / "checkpoints"), "multiprocessing_distributed": True,
         "nprocs": nprocs, "world_size": 1, "rank": 0, "dist_url": None,
     })  # fmt: skip
@@ -357,7 +416,8 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     # A second job continues from latest.pth for one more epoch: resume works.
     record = run(argparse.Namespace(**{**vars(first), "epochs": first.epochs + 1, "resume": True}))
     seconds, where = time.perf_counter() - start, f"{gpus} GPU" if gpus else "2 CPU"
-    print(f"demo: final val acc1 {record['val_acc1']:.2f}% after {first.epochs + 1} epochs, "
+    ema = f" (EMA {record['val_ema_acc1']:.2f}%)" if "val_ema_acc1" in record else ""
+    print(f"demo: final val acc1 {record['val_acc1']:.2f}%{ema} after {first.epochs + 1} epochs, "
           f"total wall time {seconds:.1f} s ({where} processes)")  # fmt: skip
     return record
 

@@ -33,6 +33,8 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("docs/api.md", "epochs=90", "epochs=2"),
     ("docs/training.md", "epochs=90", "epochs=2"),
     ("docs/quickstart.md", "epochs=90", "epochs=2"),
+    ("docs/api.md", "warmup_epochs=5", "warmup_epochs=1"),
+    ("docs/training.md", "warmup_epochs=5", "warmup_epochs=1"),
     # The quickstart's script on 32 px shapes: a small timm model, no download.
     (
         "docs/quickstart.md",
@@ -43,6 +45,7 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("docs/quickstart.md", "val_transform(224, 256)", "val_transform(32, 37)"),
     ("docs/quickstart.md", "--epochs 30", "--epochs 1"),
     ("docs/quickstart.md", "--data data   #", "--data data --epochs 1   #"),
+    ("docs/quickstart.md", "--warmup-epochs 5", "--warmup-epochs 1 --epochs 2"),
     ("docs/quickstart.md", "--data data", "--data data --arch test_resnet --image-size 32"),
 ]
 

@@ -26,11 +26,15 @@ from ddpkit import (
     CheckpointManager,
     DistInfo,
     FaultConfig,
+    FocalLoss,
     Preempted,
     ReportConfig,
     TrainConfig,
     build_loader,
     fit,
+    mixup_cutmix,
+    model_ema,
+    warmup_schedule,
     wrap_ddp,
 )
 from tests.train_jobs import NoisyBlobs, small_net
@@ -74,6 +78,17 @@ class Hooked(torch.optim.SGD):
         if sig is not None and sig[0] == self.rank and sig[1] == self.count:
             os.kill(os.getpid(), getattr(signal, sig[2]))
         return out
+
+
+class FeatureMix:
+    """Mixup / CutMix for the blobs' 8 features, seen as 2 x 2 x 2 images."""
+
+    def __init__(self, classes: int) -> None:
+        self.mix = mixup_cutmix(classes)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        images, soft = self.mix(x.view(-1, 2, 2, 2), y)
+        return images.reshape(-1, 8), soft
 
 
 def _break_writes(plan: dict[str, Any], rank: int) -> None:
@@ -121,13 +136,21 @@ def faulty_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, An
     manager = CheckpointManager(directory, prefix="tiny", every_steps=plan.get("every_steps"),
                                 on_each_node=plan.get("on_each_node", False))  # fmt: skip
     outcome: dict[str, Any] = {}
+    criterion: Any = nn.CrossEntropyLoss()
+    config, ema = TrainConfig(normalize=None), None
+    if plan.get("modern"):  # warm-up + cosine per step, EMA, Mixup/CutMix, soft FocalLoss, clipping
+        scheduler = warmup_schedule(optimizer, epochs=3, steps_per_epoch=len(loader),
+                                    warmup_epochs=1.5)  # fmt: skip
+        ema = model_ema(model, decay=0.8)
+        criterion = FocalLoss(gamma=2.0, smooth=0.1)
+        config = TrainConfig(normalize=None, clip_grad_norm=1.0, batch_transform=FeatureMix(3))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             history = fit(
-                model, loader, optimizer, criterion=nn.CrossEntropyLoss(),
+                model, loader, optimizer, criterion=criterion,
                 epochs=plan.get("epochs", 3), scheduler=scheduler, checkpoints=manager,
-                resume=plan.get("resume", False), config=TrainConfig(normalize=None),
+                resume=plan.get("resume", False), config=config, ema=ema,
                 report=ReportConfig(progress=False),
                 faults=FaultConfig(hang_timeout=plan.get("hang_timeout")),
             )  # fmt: skip
@@ -140,4 +163,6 @@ def faulty_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, An
     outcome["steps"] = optimizer.count
     outcome["position"] = manager.position
     outcome["weights"] = {k: v.clone() for k, v in model.module.state_dict().items()}
+    if ema is not None:
+        outcome["ema"] = {k: v.clone() for k, v in ema.state_dict().items()}
     return outcome

@@ -294,16 +294,21 @@ def test_two_nodes_one_process_each(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / "latest.pth").is_file()
 
 
-@pytest.mark.timeout(240)
-def test_evaluate_prints_the_accuracy_training_logged(tmp_path: Path) -> None:
+def _shapes_data(directory: Path, per_class: int) -> None:
+    """train.lmdb and val.lmdb of 3 shape classes at 32 px in ``directory``."""
     import ddpkit
     from ddpkit.data.shapes import make_shapes_dataset
 
     dirs = make_shapes_dataset(
-        tmp_path / "shapes", classes=3, train_per_class=4, val_per_class=2, size=32
+        directory / "shapes", classes=3, train_per_class=per_class, val_per_class=2, size=32
     )
     for split, source in zip(("train", "val"), dirs, strict=True):
-        ddpkit.build_lmdb(source, tmp_path / f"{split}.lmdb", progress=False)
+        ddpkit.build_lmdb(source, directory / f"{split}.lmdb", progress=False)
+
+
+@pytest.mark.timeout(240)
+def test_evaluate_prints_the_accuracy_training_logged(tmp_path: Path) -> None:
+    _shapes_data(tmp_path, 4)
     ckpt = tmp_path / "ckpt"
     # -j 1: a run whose loaders have workers must exit too, curves drawn or not.
     common = [sys.executable, str(SCRIPT), "--data", str(tmp_path), "--arch", "test_resnet",
@@ -372,3 +377,73 @@ def test_fault_flags() -> None:
     assert (args.save_on_each_node, args.max_restarts, args.resume) == (True, 3, False)
     assert example.parse_args(["--data", "d", "--resume"]).resume is True
     assert example.parse_args(["--data", "d", "--resume", "x.pth"]).resume == "x.pth"
+
+
+@pytest.mark.timeout(30)
+def test_the_modern_recipe_flags() -> None:
+    args = example.parse_args(["--data", "d"])
+    assert (args.sched, args.warmup_epochs, args.model_ema, args.mixup, args.cutmix) == (
+        "step",
+        0.0,
+        False,
+        0.0,
+        0.0,
+    )  # the recipe's training unless asked
+    assert args.lr_base is None
+    assert args.clip_grad is None
+    assert not args.compile
+    args = example.parse_args(["--data", "d", "--sched", "cosine", "--warmup-epochs", "2.5",
+                               "--lr-base", "0.2", "--model-ema", "--model-ema-decay", "0.999",
+                               "--mixup", "0.8", "--cutmix", "1", "--clip-grad", "5",
+                               "--compile"])  # fmt: skip
+    assert (args.sched, args.warmup_epochs, args.lr_base, args.model_ema_decay) == (
+        "cosine",
+        2.5,
+        0.2,
+        0.999,
+    )
+    assert (args.mixup, args.cutmix, args.clip_grad, args.compile) == (0.8, 1.0, 5.0, True)
+    for bad in (["--lr", "0.1", "--lr-base", "0.1"], ["--model-ema-decay", "1"],
+                ["--warmup-epochs", "90"], ["--mixup", "-1"], ["--clip-grad", "0"],
+                ["--sched", "linear"], ["--epochs", "0"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            example.parse_args(["--data", "d", *bad])
+
+
+@pytest.mark.timeout(240)
+def test_the_modern_recipe_trains_resumes_and_reports(tmp_path: Path) -> None:
+    import ddpkit
+
+    _shapes_data(tmp_path, 8)
+    ckpt = tmp_path / "ckpt"
+    common = [sys.executable, str(SCRIPT), "--data", str(tmp_path), "--arch", "test_resnet",
+              "--image-size", "32", "-b", "4", "-j", "0", "--checkpoints", str(ckpt),
+              "--sched", "cosine", "--warmup-epochs", "1", "--lr-base", "0.4", "--model-ema",
+              "--model-ema-decay", "0.9", "--mixup", "0.8", "--cutmix", "1.0",
+              "--clip-grad", "2"]  # fmt: skip
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*common, *argv], env=_env(), capture_output=True, text=True,
+                              timeout=150)  # fmt: skip
+
+    first = run("--epochs", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "val_ema_acc1" in first.stdout, first.stdout
+    assert "worst class" in first.stdout, first.stdout
+    again = run("--epochs", "3", "--resume")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming at epoch 3 step 12" in again.stdout, again.stdout
+    logged = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in logged if "epoch" in r]
+    assert [r["epoch"] for r in records] == [1, 2, 3]
+    # --lr-base 0.4 per 256 images at -b 4: a peak of 0.00625, reached after the warm-up.
+    assert records[0]["lr"] < 0.00625
+    assert records[1]["lr"] < 0.00625
+    assert records[2]["lr"] < records[1]["lr"]
+    for r in records:
+        assert len(r["val_recall"]) == 3
+        assert len(r["val_confusion"]) == 3
+        assert r["val_worst_class"] in ("blue_circle", "green_circle", "red_circle")
+    state = ddpkit.load_checkpoint(ckpt / "latest.pth")
+    assert state["ema"] is not None
+    assert int(state["ema"]["n_averaged"]) == 18

@@ -193,13 +193,23 @@ def test_spawn_max_restarts_restarts_a_killed_process_and_ends_bit_exact(
     _assert_equal(_final(tmp_path), reference)
 
 
+def _assert_stop_checkpoint(out: str) -> None:
+    """The stop names the checkpoint it wrote, which exists: interrupted.pth, or latest.pth
+    when the step the ranks agreed to stop after was the last of an epoch."""
+    said = re.search(r"stopped by SIGTERM after step \d+, checkpoint (\S+);", out)
+    assert said is not None, out[-4000:]
+    path = Path(said.group(1))
+    assert path.name in ("interrupted.pth", "latest.pth"), said.group(0)
+    assert path.is_file(), said.group(0)
+
+
 @pytest.mark.timeout(2 * _LIMIT_S)
 def test_sigterm_to_the_launcher_exits_75_and_the_resumed_run_is_bit_exact(
     data: Path, reference: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
     code, out = _launch(_spawn(data, tmp_path, 2), _terminate_launcher(tmp_path, 2))
     assert code == PREEMPTED_EXIT_CODE, out[-4000:]
-    assert (tmp_path / "interrupted.pth").is_file()
+    _assert_stop_checkpoint(out)
     out = _run(_spawn(data, tmp_path, 2, "--resume"))
     assert "resuming at epoch" in out, out[-4000:]
     _assert_equal(_final(tmp_path), reference)
@@ -223,7 +233,7 @@ def test_sigterm_to_torchrun_reaches_the_workers_which_save_and_resume_bit_exact
     code, out = _launch(command, _terminate_launcher(tmp_path, 2))
     assert code != 0, out[-4000:]  # torchrun's own status after a signal; never a restart
     assert "stopped by SIGTERM after step" in out, out[-4000:]
-    assert (tmp_path / "interrupted.pth").is_file(), out[-4000:]
+    _assert_stop_checkpoint(out)
     out = _run(_spawn(data, tmp_path, 2, "--resume"))
     assert "resuming at epoch" in out, out[-4000:]
     _assert_equal(_final(tmp_path), reference)

@@ -215,3 +215,30 @@ def test_copies_on_each_node_into_one_shared_directory_do_not_collide(
     steps = sorted(p.name for p in tmp_path.glob("step-*.pth"))
     assert steps == ["step-000000014.pth", "step-000000016.pth"]
     assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.fixture(scope="module")
+def modern_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Warm-up + cosine per step, EMA, Mixup/CutMix, soft FocalLoss and clipping, uninterrupted."""
+    results = _run(
+        {"dir": str(tmp_path_factory.mktemp("modern")), "every_steps": 2, "modern": True}
+    )
+    assert results[0]["steps"] == STEPS_PER_EPOCH * EPOCHS
+    return results
+
+
+def test_the_modern_recipe_resumes_bit_exactly_mid_warm_up_and_mid_epoch(
+    modern_reference: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    # Killed in step 9 of the 9-step warm-up: the newest checkpoint is step 8, 2 batches into
+    # epoch 2, with the schedule, the average and the mixing draws all mid-way.
+    plan = {"dir": str(tmp_path), "every_steps": 2, "modern": True}
+    _killed({**plan, "kill_at": (1, 9)})
+    results = _run({**plan, "resume": True})
+    assert results[0]["position"].step == 8
+    assert results[0]["position"].mid_epoch
+    for rank, (result, expected) in enumerate(zip(results, modern_reference, strict=True)):
+        assert "error" not in result, result.get("error")
+        for part in ("weights", "ema"):
+            for key, value in expected[part].items():
+                assert torch.equal(result[part][key], value), f"rank {rank}: {part} {key}"

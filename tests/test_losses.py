@@ -167,7 +167,7 @@ def test_shape_and_class_count_mismatches_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"target must hold class indices of shape \(6,\)"):
         FocalLoss()(logits, target[:4])
     with pytest.raises(ValueError, match="target must hold class indices"):
-        FocalLoss()(logits, F.one_hot(target, C).float())
+        FocalLoss()(logits, target.float())  # float indices: neither indices nor probabilities
     with pytest.raises(ValueError, match=r"logits must be \(N, C\)"):
         FocalLoss()(logits[0], target[0])
 

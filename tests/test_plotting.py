@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ddpkit.plotting import PlotUnavailable, plot_run, read_metrics
 
@@ -87,3 +88,29 @@ def test_the_cli_draws_a_run_and_names_what_is_missing(tmp_path: Path) -> None:
     assert missing.stderr.startswith("error: ")
     assert "no such file" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_the_confusion_matrix_of_the_last_epoch_is_drawn_up_to_50_classes(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    def inked(classes: int) -> float:
+        """The share of non-white pixels in the bottom-right panel of the 2 x 3 grid."""
+        confusion = [[5 if t == p else 1 for p in range(classes)] for t in range(classes)]
+        records = [{**_epoch(n, 10.0 * n), "val_ema_acc1": 9.0 * n, "val_confusion": confusion}
+                   for n in (1, 2)]  # fmt: skip
+        run = tmp_path / str(classes)
+        run.mkdir()
+        _write(run / "metrics.jsonl", [{"run": {"id": "x", "classes": None}}, *records])
+        with Image.open(plot_run(run)) as image:
+            width, height = image.size
+            corner = image.convert("L").crop((2 * width // 3, height // 2, width, height))
+            pixels = torch.frombuffer(bytearray(corner.tobytes()), dtype=torch.uint8)
+        return float((pixels < 250).float().mean())
+
+    assert inked(4) > 0.2  # the matrix and its colour bar
+    assert inked(60) < 0.01  # too many classes: the panel stays empty
+    from ddpkit.plotting import _last_confusion
+
+    assert _last_confusion([{"epoch": 1, "val_confusion": [[1]]}]) == ([[1]], 1)
+    assert _last_confusion([{"epoch": 1, "val_confusion": [[0] * 51] * 51}]) is None

@@ -124,3 +124,13 @@ def test_the_summary_names_the_best_epoch(capsys: pytest.CaptureFixture[str]) ->
     assert "  best val_acc1   80.00%\n" in out
     assert "  images/s        200\n" in out  # the mean over the epochs
     assert "  epochs trained  3\n" in out
+
+
+def test_the_epoch_line_shows_the_average_and_the_worst_class() -> None:
+    record = {"epoch": 4, "train_loss": 0.5, "val_acc1": 80.0, "val_acc5": 99.0,
+              "val_ema_acc1": 82.5, "val_worst_class": "cat", "val_worst_recall": 61.04,
+              "lr": 0.1}  # fmt: skip
+    line = epoch_line(record, 10)
+    assert "val_acc1 80.00%, val_acc5 99.00%, val_ema_acc1 82.50%" in line
+    assert "worst class cat 61.0%" in line
+    assert "worst class" not in epoch_line({**record, "val_worst_recall": None}, 10)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -61,14 +62,16 @@ def _sleep_forever_on_rank_one(rank: int, world_size: int) -> int:
     return rank
 
 
-def test_timeout_kills_and_names_stuck_rank() -> None:
+def test_timeout_kills_and_names_stuck_rank(capfd: pytest.CaptureFixture[str]) -> None:
     timeout = 20.0  # room for the healthy rank to start even on a loaded machine
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"rank\(s\) 1\.") as info:
+    with pytest.raises(TimeoutError, match=r"rank\(s\) 1\. Their Python stacks") as info:
         run_distributed(_sleep_forever_on_rank_one, 2, timeout=timeout)
     elapsed = time.monotonic() - start
     assert elapsed < timeout + 5, f"took {elapsed:.1f} s"
     assert "1 of 2 ranks" in str(info.value)
+    # Where the stuck rank was, from its own stack dump, before it was killed.
+    assert re.search(r"line \d+ in _sleep_forever_on_rank_one", capfd.readouterr().err)
 
 
 def _exit_hard(rank: int, world_size: int) -> int:
