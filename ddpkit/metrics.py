@@ -73,13 +73,17 @@ class ClassificationTotals:
             self._classes = classes
             self._counts = torch.zeros(_count_size(classes), dtype=torch.int64, device=self.device)
         truth, predicted = targets.reshape(-1).long(), logits.argmax(1).reshape(-1)
-        ones = torch.ones_like(truth)
         c = self._classes
-        self._counts[:c].index_add_(0, truth[predicted == truth], ones[predicted == truth])
-        self._counts[c : 2 * c].index_add_(0, truth, ones)
-        self._counts[2 * c : 3 * c].index_add_(0, predicted, ones)
+        # A target outside the classes (an ignore_index such as -100) counts in no class;
+        # weights instead of a boolean selection: no host sync per batch.
+        valid = (truth >= 0) & (truth < c)
+        truth = truth.clamp(0, c - 1)
+        weight = valid.long()
+        self._counts[:c].index_add_(0, truth, weight * (predicted == truth))
+        self._counts[c : 2 * c].index_add_(0, truth, weight)
+        self._counts[2 * c : 3 * c].index_add_(0, predicted, weight)
         if c <= CONFUSION_MAX_CLASSES:
-            self._counts[3 * c :].index_add_(0, truth * c + predicted, ones)
+            self._counts[3 * c :].index_add_(0, truth * c + predicted, weight)
 
     def reduce(self) -> dict[str, Any]:
         """Sum over all ranks: ``acc1``, ``acc5`` (percent), ``loss``, ``samples``, per class.

@@ -9,6 +9,7 @@ checkpoint holds an ordinary ``SequentialLR`` state that resumes exactly.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -27,12 +28,18 @@ class WarmupSchedule(SequentialLR):
     Loading one restores where the schedule stands (the steps taken, the
     current rates) and keeps the shape it was built with now, so a run resumed
     with more epochs stretches its decay to the new end instead of following
-    the old one (a cosine past its end would rise again).
+    the old one (a cosine past its end would rise again). A state saved with
+    another number of steps per epoch (another number of ranks, or batch)
+    counts its steps in other units: the schedule is then placed at the same
+    point of training in epochs, as a fresh run would be there.
     """
 
     per_step = True
     _SHAPE = ("T_max", "eta_min", "milestones", "gamma", "total_iters", "start_factor",
               "end_factor")  # fmt: skip
+
+    steps_per_epoch = 0  # set by warmup_schedule; saved in the state with the counters
+    total_steps = 0
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = state_dict.get("_schedulers", [])
@@ -43,13 +50,28 @@ class WarmupSchedule(SequentialLR):
                 f"({' then '.join(kinds)}): a warm-up was added or removed; resume with the "
                 "warm-up the run started with"
             )
+        per_epoch = state_dict.get("steps_per_epoch") or self.steps_per_epoch
+        if per_epoch != self.steps_per_epoch:
+            self._place(state_dict["last_epoch"] / per_epoch)
+            return
         shapes = [{k: s.__dict__[k] for k in self._SHAPE if k in s.__dict__}
                   for s in self._schedulers]  # fmt: skip
-        milestones = self._milestones
+        kept = (self._milestones, self.steps_per_epoch, self.total_steps)
         super().load_state_dict(state_dict)
-        self._milestones = milestones
+        self._milestones, self.steps_per_epoch, self.total_steps = kept
         for scheduler, shape in zip(self._schedulers, shapes, strict=True):
             scheduler.__dict__.update(shape)
+
+    def _place(self, epochs_done: float) -> None:
+        """Step this fresh schedule to where ``epochs_done`` epochs of training end."""
+        if self.last_epoch != 0:
+            raise ValueError(
+                "a schedule saved with other steps per epoch loads only into a new one"
+            )
+        with warnings.catch_warnings():  # no optimizer step comes between these
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(min(round(epochs_done * self.steps_per_epoch), self.total_steps)):
+                self.step()
 
 
 def warmup_schedule(
@@ -112,6 +134,11 @@ def warmup_schedule(
         raise ValueError(f"gamma must lie in (0, 1], got {gamma}")
     total = epochs * steps_per_epoch
     warmup = round(warmup_epochs * steps_per_epoch)
+    if total - warmup < 1:
+        raise ValueError(
+            f"warmup_epochs={warmup_epochs} leaves no step of the {epochs} epochs x "
+            f"{steps_per_epoch} steps after the warm-up"
+        )
     main: CosineAnnealingLR | MultiStepLR
     if decay == "cosine":
         if milestones:
@@ -131,9 +158,12 @@ def warmup_schedule(
         at = sorted(m * steps_per_epoch - warmup for m in milestones)
         main = MultiStepLR(optimizer, milestones=at, gamma=gamma)
     if warmup == 0:
-        return WarmupSchedule(optimizer, [main], milestones=[])
-    ramp = LinearLR(optimizer, start_factor=warmup_start, end_factor=1.0, total_iters=warmup)
-    return WarmupSchedule(optimizer, [ramp, main], milestones=[warmup])
+        schedule = WarmupSchedule(optimizer, [main], milestones=[])
+    else:
+        ramp = LinearLR(optimizer, start_factor=warmup_start, end_factor=1.0, total_iters=warmup)
+        schedule = WarmupSchedule(optimizer, [ramp, main], milestones=[warmup])
+    schedule.steps_per_epoch, schedule.total_steps = steps_per_epoch, total
+    return schedule
 
 
 def linear_scaled_lr(lr_base: float, global_batch_size: int, reference: int = 256) -> float:

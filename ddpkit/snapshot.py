@@ -113,6 +113,11 @@ def _at(old: Any, index: int) -> Any:
 class BackgroundWriter:
     """Run one write at a time in a daemon thread; keep its error for the caller.
 
+    One thread serves every write of the writer's life, started with the first:
+    a thread that ends while the training thread forks DataLoader workers can
+    leave the child stuck for ever in CPython's after-fork clean-up (3.11), and
+    a thread per write would end right as the next epoch's workers start.
+
     Args:
         on_error: called in the writer thread with the exception of a failed
             write, e.g. to ask every rank to stop (``ddpkit.control``).
@@ -122,6 +127,10 @@ class BackgroundWriter:
         self._on_error = on_error
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._job: Callable[[], Any] | None = None
+        self._ready = threading.Condition()
+        self._idle = threading.Event()
+        self._idle.set()
 
     @property
     def error(self) -> BaseException | None:
@@ -130,14 +139,12 @@ class BackgroundWriter:
 
     def join(self) -> None:
         """Wait for the write in flight without raising its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._idle.wait()
 
     @property
     def busy(self) -> bool:
         """A write is in flight."""
-        return self._thread is not None and self._thread.is_alive()
+        return not self._idle.is_set()
 
     def submit(self, write: Callable[[], Any]) -> None:
         """Wait for the write in flight, then start ``write`` in the background.
@@ -147,10 +154,14 @@ class BackgroundWriter:
                 raised yet; ``write`` is then not started.
         """
         self.wait()
-        self._thread = threading.Thread(
-            target=self._run, args=(write,), name="ddpkit-checkpoint-writer", daemon=True
-        )
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="ddpkit-checkpoint-writer",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
+        with self._ready:
+            self._idle.clear()
+            self._job = write
+            self._ready.notify()
 
     def wait(self) -> None:
         """Wait for the write in flight; raise its error once if it failed."""
@@ -158,6 +169,19 @@ class BackgroundWriter:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+    def _serve(self) -> None:
+        while True:
+            with self._ready:
+                while self._job is None:
+                    self._ready.wait()
+                write, self._job = self._job, None
+            try:
+                self._run(write)
+            except BaseException:  # on_error failed: said, and the thread serves on
+                logger.exception("checkpoint writer: the error callback failed")
+            finally:
+                self._idle.set()
 
     def _run(self, write: Callable[[], Any]) -> None:
         try:

@@ -231,7 +231,9 @@ def fit(
             watchdog = stack.enter_context(HangWatchdog(timeout=faults.hang_timeout))
         reporter = Reporter(report, is_main=comm.is_main_process())
         stack.callback(reporter.close)
-        header = _header(world, epochs, config, val_loader or train_loader)
+        header = _header(
+            world, epochs, config, val_loader if val_loader is not None else train_loader
+        )
         reporter.start(header, resumed=start is not None)
         if start is not None and start.epoch >= epochs:
             reporter.say(f"nothing to do: finished at epoch {start.epoch} of {epochs}")

@@ -119,3 +119,13 @@ def test_soft_targets_that_are_not_probabilities_are_refused() -> None:
         FocalLoss()(logits, torch.tensor([[1.5, -0.5, 0.0]] * 4))  # a negative entry
     with pytest.raises(ValueError, match="shape"):
         FocalLoss()(logits, torch.full((4, 2), 0.5))  # the wrong number of classes
+
+
+def test_probabilities_stored_in_bfloat16_are_accepted() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(64, 1000)
+    soft = mixup_cutmix(1000, cutmix_alpha=0)(
+        torch.randn(64, 3, 4, 4), torch.randint(0, 1000, (64,))
+    )[1]
+    loss = FocalLoss(smooth=0.1)(logits, soft.to(torch.bfloat16))
+    torch.testing.assert_close(loss, FocalLoss(smooth=0.1)(logits, soft), atol=1e-2, rtol=1e-2)

@@ -87,3 +87,15 @@ def test_per_class_from_a_confusion_matrix() -> None:
     assert figures["recall"] == [75.0, None, pytest.approx(400 / 6)]
     assert figures["precision"] == [60.0, 0.0, 100.0]
     assert figures["worst"] == 2  # the lowest recall among classes with samples
+
+
+def test_targets_outside_the_classes_count_in_no_class() -> None:
+    from ddpkit.metrics import ClassificationTotals
+
+    totals = ClassificationTotals(torch.device("cpu"))
+    logits = torch.eye(3)[[0, 1, 2, 0, 1]] * 5.0  # predicts 0, 1, 2, 0, 1
+    targets = torch.tensor([0, 1, -100, 3, 2])  # an ignore_index and a label past the head
+    totals.update(logits, targets, torch.tensor(0.0))
+    figures = totals.reduce()
+    assert figures["confusion"] == [[1, 0, 0], [0, 1, 0], [0, 1, 0]]
+    assert figures["recall"] == [100.0, 100.0, 0.0]

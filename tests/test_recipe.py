@@ -231,3 +231,17 @@ def test_a_compiled_model_checkpoints_and_resumes_exactly(tmp_path: Path) -> Non
     resumed = run(tmp_path / "resumed", 2, resume=True)
     for key, value in whole.items():
         assert torch.equal(resumed[key], value), key
+
+
+def test_a_validation_loader_without_a_length_is_fine() -> None:
+    class Stream(torch.utils.data.IterableDataset[tuple[torch.Tensor, int]]):
+        def __iter__(self) -> Any:
+            data = _linear_data(6)
+            return iter(zip(data.tensors[0], data.tensors[1].tolist(), strict=True))
+
+    model = _linear()
+    history = fit(model, DataLoader(_linear_data(8), batch_size=4),
+                  torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+                  epochs=1, val_loader=DataLoader(Stream(), batch_size=4),
+                  config=TrainConfig(normalize=None), report=QUIET)  # fmt: skip
+    assert history.records[0]["val_samples"] == 6

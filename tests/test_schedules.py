@@ -138,3 +138,26 @@ def test_adding_a_warm_up_on_resume_is_refused() -> None:
     state = warmup_schedule(opt, epochs=4, steps_per_epoch=5).state_dict()
     with pytest.raises(ValueError, match="warm-up was added or removed"):
         warmup_schedule(opt, epochs=4, steps_per_epoch=5, warmup_epochs=1).load_state_dict(state)
+
+
+def test_a_run_resumed_on_another_number_of_ranks_is_placed_by_epochs() -> None:
+    # 4 epochs of 10 steps on 2 ranks, stopped after 2.5 epochs; resumed on 4 ranks: 5 a epoch.
+    opt = _optimizer(1.0)
+    two = warmup_schedule(opt, epochs=4, steps_per_epoch=10, warmup_epochs=1)
+    _rates(opt, two, 25)
+    state = two.state_dict()
+    opt4 = _optimizer(1.0)
+    four = warmup_schedule(opt4, epochs=4, steps_per_epoch=5, warmup_epochs=1)
+    opt4.load_state_dict(opt.state_dict())
+    four.load_state_dict(state)
+    fresh_opt = _optimizer(1.0)
+    fresh = warmup_schedule(fresh_opt, epochs=4, steps_per_epoch=5, warmup_epochs=1)
+    expected = _rates(fresh_opt, fresh, 20)
+    rates = _rates(opt4, four, 8)  # 2.5 epochs in: step 12 (12.5 rounded) of 20, to the end
+    assert rates == pytest.approx(expected[12:])  # as a fresh 4-rank run from there
+    assert rates[-1] == pytest.approx(0.0, abs=1e-12)  # it still ends at the end
+
+
+def test_a_warm_up_that_leaves_no_step_is_refused() -> None:
+    with pytest.raises(ValueError, match="leaves no step"):
+        warmup_schedule(_optimizer(), epochs=5, steps_per_epoch=3, warmup_epochs=4.9)
