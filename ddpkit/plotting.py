@@ -150,7 +150,13 @@ def _last_confusion(records: list[dict[str, Any]]) -> tuple[list[list[int]], int
     for record in reversed(records):
         matrix = record.get("val_confusion")
         if isinstance(matrix, list) and matrix:
-            return (matrix, record["epoch"]) if len(matrix) <= CONFUSION_PLOT_MAX else None
+            n = len(matrix)
+            # A hand-edited or foreign file: only a square matrix of counts is drawn.
+            square = all(
+                isinstance(row, list) and len(row) == n and all(_number(v) and v >= 0 for v in row)
+                for row in matrix
+            )
+            return (matrix, record["epoch"]) if square and n <= CONFUSION_PLOT_MAX else None
     return None
 
 

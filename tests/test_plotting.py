@@ -114,3 +114,5 @@ def test_the_confusion_matrix_of_the_last_epoch_is_drawn_up_to_50_classes(tmp_pa
 
     assert _last_confusion([{"epoch": 1, "val_confusion": [[1]]}]) == ([[1]], 1)
     assert _last_confusion([{"epoch": 1, "val_confusion": [[0] * 51] * 51}]) is None
+    for damaged in ([[1, 2], [3]], [[1, "x"], [0, 1]], [[1, -1], [0, 1]], [1, 2]):
+        assert _last_confusion([{"epoch": 1, "val_confusion": damaged}]) is None, damaged
