@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-j", "--workers", type=_number(int, 0, False), metavar="N",
                    help="data workers per node, divided over its processes rounded\n"
                         "up (-j 4 on 8 GPUs: 1 each); default: a CPU share, at most 8")  # fmt: skip
+    p.add_argument("--worker-start", choices=("fork", "forkserver", "spawn"),
+                   help="how data workers start (default: Python's; fork on Linux\n"
+                        "before 3.14). forkserver: never a copy of this multi-\n"
+                        "threaded process, about 2 s once per process")  # fmt: skip
     p.add_argument("--epochs", type=_number(int, 1, False), default=90)
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--lr", type=_number(float, 0, True), default=0.1,
@@ -298,7 +302,8 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     val_set = ddpkit.LazyLMDBDataset(data / "val.lmdb", transform=val_tf)
     classes = args.num_classes or len(train_set.classes)
     workers = workers_per_process(args.workers, info.local_world_size)
-    kw: dict[str, Any] = {"workers": workers, "seed": args.seed, "info": info}
+    kw: dict[str, Any] = {"workers": workers, "seed": args.seed, "info": info,
+                          "multiprocessing_context": args.worker_start}  # fmt: skip
     val_batch = max(1, args.batch_size // info.world_size)
     val_loader = ddpkit.build_loader(val_set, batch_size=val_batch, train=False, **kw)
     criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)

@@ -37,7 +37,7 @@ from ddpkit import (
     warmup_schedule,
     wrap_ddp,
 )
-from tests.train_jobs import NoisyBlobs, small_net
+from tests.train_jobs import NoisyBlobs, small_net, worker_start
 
 BATCH = 4  # per rank: 48 samples on 2 ranks make 6 steps an epoch
 
@@ -130,8 +130,9 @@ def faulty_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, An
     stall = plan.get("stall_at")
     data = Logged(record, stall[1] * BATCH if stall and stall[0] == rank else None)
     workers = plan.get("workers", 2)
+    start = worker_start(data) if workers else None
     loader = build_loader(data, batch_size=BATCH, train=True, workers=workers, seed=5, info=info,
-                          multiprocessing_context="fork" if workers else None)  # fmt: skip
+                          multiprocessing_context=start)  # fmt: skip
     directory = plan["dirs"][rank] if "dirs" in plan else plan["dir"]
     manager = CheckpointManager(directory, prefix="tiny", every_steps=plan.get("every_steps"),
                                 on_each_node=plan.get("on_each_node", False))  # fmt: skip

@@ -2,8 +2,9 @@
 
 Each run is the real ``examples/seresnext_lmdb.py`` on 2 CPU processes (Gloo)
 with timm's tiny ``test_resnet`` on a small shapes LMDB, step checkpoints
-every 2 steps. A run that nothing interrupts gives the weights that every
-interrupted and resumed run must end with, ``torch.equal``.
+every 2 steps, data workers from a forkserver (``--worker-start``). A run
+that nothing interrupts gives the weights that every interrupted and resumed
+run must end with, ``torch.equal``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _args(data: Path, checkpoints: Path, *extra: str) -> list[str]:
     return [str(SCRIPT), "--data", str(data), "--arch", "test_resnet", "--image-size", "32",
             "--epochs", str(EPOCHS), "-b", "12", "-j", "2", "--requires-grad", "--lr", "0.05",
             "--checkpoints", str(checkpoints), "--save-every-steps", "2", "--network", "tiny",
-            "--dist-backend", "gloo", *extra]  # fmt: skip
+            "--dist-backend", "gloo", "--worker-start", "forkserver", *extra]  # fmt: skip
 
 
 def _torchrun(*extra: str) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -207,3 +208,53 @@ def test_workers_outlive_a_signal_to_the_whole_group_and_still_end_at_exit(name:
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"parent got {name}" in done.stdout
     assert "workers 2 same True" in done.stdout, done.stderr[-3000:]
+
+
+_KILLED_TRAINER_JOB = """
+import multiprocessing, os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from loader_fixtures import Indices
+from ddpkit.data import build_loader
+
+start = sys.argv[1]
+multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "loader_fixtures"])
+loader = build_loader(Indices(64), batch_size=4, train=True, workers=2, seed=0,
+                      multiprocessing_context=start)
+batches = iter(loader)
+next(batches)
+pids = [w.pid for w in batches._workers]
+if start == "forkserver":
+    from multiprocessing import forkserver
+    pids.append(forkserver._forkserver._forkserver_pid)
+print(*pids, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_workers_end_when_the_training_process_is_killed(start: str) -> None:
+    # A forkserver's workers are the server's children and hold it open: without
+    # build_loader's watch on the training process, both would run for ever.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", _KILLED_TRAINER_JOB, start, tests],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == -9, done.stderr[-3000:]
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == (3 if start == "forkserver" else 2)
+    deadline = time.monotonic() + 20  # torch's workers look at their parent every 5 s
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if _running(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert left == [], f"still running after the training process was killed: {left}"

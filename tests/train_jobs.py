@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -40,6 +42,20 @@ class NoisyBlobs(Dataset[tuple[torch.Tensor, int]]):
         return x, int(self.labels[index])
 
 
+def worker_start(dataset: Dataset[object]) -> str:
+    """How the training jobs start their DataLoader workers: from a forkserver.
+
+    ``fork`` copies a rank whose Gloo threads may be entering or leaving Python
+    at that very moment, which CPython 3.11 can answer with a child stuck inside
+    ``fork()`` for ever (a rare hang at the first batch). A forkserver forks
+    from a one-threaded server that imported torch and the dataset's module
+    once per rank (about 2 s), so each worker still starts in milliseconds.
+    """
+    preload = ["torch", "ddpkit", type(dataset).__module__]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    return "forkserver"
+
+
 def small_net() -> nn.Module:
     """BatchNorm and dropout: both must be restored exactly on resume."""
     return nn.Sequential(
@@ -57,14 +73,15 @@ def train_run(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
     torch.manual_seed(99 + rank)  # dropout masks differ per rank, as in a real job
+    data = NoisyBlobs()
     loader = build_loader(
-        NoisyBlobs(),
+        data,
         batch_size=4,
         train=True,
         workers=2,
         seed=5,
         info=info,
-        multiprocessing_context="fork",
+        multiprocessing_context=worker_start(data),
     )
     fit(
         model,

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import select
 import signal
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -72,15 +76,52 @@ def _default_workers(local_world_size: int) -> int:
     return min(8, cpu_share(local_world_size))
 
 
-def _worker_start(worker_id: int) -> None:
+def _worker_start(trainer: int, worker_id: int) -> None:
     # Ctrl-C, torchrun and a container runtime signal a whole process group; the
     # training process stops cleanly at the next step and needs its workers until
     # then. A group of their own keeps those signals from them, while a SIGTERM
     # sent to the worker itself (how DataLoader and multiprocessing end them)
-    # still works. They exit with their parent: torch's workers watch it.
+    # still works. They end with the training process: torch's workers watch
+    # their parent, which a forkserver's workers watch here instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    if os.getppid() != trainer:
+        _exit_with(trainer)
+
+
+def _exit_with(trainer: int) -> None:
+    """End this worker when the training process ``trainer`` ends, even by SIGKILL.
+
+    A forkserver's worker is the server's child, so torch's check (its parent
+    is gone) never fires; and it holds the server's liveness pipe open, so the
+    server never ends either: a killed trainer would leave both for ever.
+    """
+    try:  # Linux 5.3+: readable once the process has ended, and never a reused pid
+        handle: int | None = os.pidfd_open(trainer)
+    except (AttributeError, OSError):
+        handle = None
+    threading.Thread(target=_watch, args=(trainer, handle), name="ddpkit-worker-exit",
+                     daemon=True).start()  # fmt: skip
+
+
+def _watch(trainer: int, handle: int | None) -> None:
+    if handle is not None:
+        select.select([handle], [], [])
+    else:
+        while _alive(trainer):
+            time.sleep(1.0)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (a reused pid)
+        return True
+    return True
 
 
 def _loader_seed(seed: int, rank: int) -> int:
@@ -140,7 +181,11 @@ def build_loader(
             Ignored with ``workers=0``, as are the two worker options below.
         prefetch_factor: batches each worker loads ahead; DataLoader's default if None.
         collate_fn: how samples become a batch; DataLoader's default if None.
-        multiprocessing_context: how workers start, e.g. ``"forkserver"``.
+        multiprocessing_context: how workers start; default: Python's (``fork``
+            on Linux before 3.14). ``"forkserver"`` never copies this process,
+            whose other threads (Gloo's, NCCL's) make a ``fork`` able to hang
+            a worker on CPython 3.11; it costs about 2 s once per process and
+            needs a picklable dataset.
 
     Returns:
         A plain ``torch.utils.data.DataLoader``.
@@ -208,7 +253,7 @@ def build_loader(
         pin_memory=pin_memory,
         drop_last=drop_last,
         generator=torch.Generator().manual_seed(_loader_seed(seed, rank)),
-        worker_init_fn=_worker_start if in_workers else None,
+        worker_init_fn=functools.partial(_worker_start, os.getpid()) if in_workers else None,
         persistent_workers=in_workers and persistent_workers is not False,
         prefetch_factor=prefetch_factor if in_workers else None,
         multiprocessing_context=multiprocessing_context if in_workers else None,
