@@ -1,4 +1,4 @@
-"""``ddpkit plot`` on what is not a run, and to where nothing should be written: named, no traceback.
+"""``ddpkit plot`` on what is not a run, and to where nothing should be: named, no traceback.
 
 Two kinds: the input (bytes that are not text, an empty file, JSON that is not
 fit's records, a directory without ``metrics.jsonl``) and the output (no
@@ -23,7 +23,8 @@ from ddpkit.cli import main
 def _good_run(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     records = [{"run": {"id": "r", "resumed": False}}]
-    records += [{"epoch": n, "train_loss": 1.0 / n, "val_acc1": 10.0 * n, "lr": 0.1} for n in (1, 2)]
+    for n in (1, 2):
+        records.append({"epoch": n, "train_loss": 1.0 / n, "val_acc1": 10.0 * n, "lr": 0.1})
     (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return directory
 
@@ -77,7 +78,8 @@ def test_a_file_that_is_not_fits_metrics_is_named(
     assert err.startswith("error: "), err
     assert str(metrics) in err
     assert "metrics.jsonl that fit" in err  # what is expected
-    assert "codec" not in err and "Traceback" not in err
+    assert "codec" not in err
+    assert "Traceback" not in err
     assert snapshot(tmp_path) == before  # no curves.png of nothing
 
 
@@ -110,7 +112,9 @@ def test_an_output_without_a_known_format_is_refused(
     code, _, err = _plot(capsys, str(run), "-o", str(tmp_path / name))
     assert code == 1
     assert said in err, err
-    assert ".png" in err and ".pdf" in err and ".svg" in err  # the choices
+    assert ".png" in err
+    assert ".pdf" in err
+    assert ".svg" in err
     assert snapshot(tmp_path) == before  # nothing written, not even NAME.png
 
 
