@@ -45,10 +45,7 @@ from ddpkit.parallel import unwrap_model
 from ddpkit.position import Position
 from ddpkit.rank0 import Rank0Error, rank0_first
 from ddpkit.rng import capture_rng_state
-from ddpkit.serialization import (
-    MapLocation,
-    check_saveable,
-)
+from ddpkit.serialization import MapLocation, check_saveable
 from ddpkit.snapshot import BackgroundWriter, snapshot
 
 __all__ = ["CheckpointManager"]
@@ -166,6 +163,7 @@ class CheckpointManager:
         self._best_epoch: int | None = None
         self.position: Position | None = None
         self.resumed_from: Path | None = None
+        self.resumed_checkpoint: str | None = None  # the same on every rank, for messages
         self.loop: list[Any] | None = None
         self._generation: int | None = None
         self._step = 0
@@ -253,8 +251,7 @@ class CheckpointManager:
             position: where training stands (its ``step`` names the file).
             model, optimizer, scheduler, scaler: as in :meth:`save`.
             kind: ``"step"`` (``step-<n>.pth``) or ``"interrupted"`` (``interrupted.pth``).
-            loop: this rank's running totals of the epoch (picklable), given back
-                by :meth:`resume` in :attr:`loop`.
+            loop: this rank's running totals (picklable), given back in :attr:`loop`.
             extra: anything else to store, weights_only-loadable.
             block, ema: as in :meth:`save`.
 
@@ -421,9 +418,9 @@ class CheckpointManager:
             :attr:`position` for how far into it), 0 when there is none.
 
         Raises:
-            CheckpointError: no checkpoint is loadable, ``path`` exists on no
-                rank, a part asked for (the average too) is missing, or the world size changed
-                and ``strict_rng`` is True.
+            CheckpointError: no checkpoint is loadable, ``path`` is none on any rank (said what
+                it is), a part asked for is missing, the position or RNG states are malformed,
+                the model differs (keys named), or the world size changed with ``strict_rng``.
 
         Example:
             >>> start_epoch = manager.resume(model, optimizer, scheduler, scaler)
@@ -432,13 +429,14 @@ class CheckpointManager:
         agreed = load_newest(self.directory, Path(path) if path is not None else None,
                              map_location)  # fmt: skip
         self._latest_damaged = agreed.latest_damaged
-        self.resumed_from = agreed.file
+        self.resumed_from, self.resumed_checkpoint = agreed.file, None
         if agreed.state is None or agreed.found is None:
             self._generation = agreed.generation + 1
             self.position = None
             return 0
-        restored = restore_state(agreed.state, agreed.found, model,
-                                 (optimizer, scheduler, scaler), strict_rng, ema)  # fmt: skip
+        self.resumed_checkpoint = str(path or self.directory / agreed.found.name)
+        restored = restore_state(agreed.state, agreed.found, model, (optimizer, scheduler, scaler),
+                                 strict_rng, ema, self.resumed_checkpoint)  # fmt: skip
         self.position, self.loop = restored.position, restored.loop
         self.best_acc1, self._best_epoch = restored.best_acc1, restored.best_epoch
         self._step = self.position.step

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from ddpkit.files import remove_stale
+from ddpkit.position import Position
 from ddpkit.serialization import (
     CheckpointError,
     check_records,
@@ -43,6 +45,7 @@ __all__ = [
     "VERSION",
     "Found",
     "averaged",
+    "check_position",
     "newest_first",
     "prune_steps",
     "read_header",
@@ -121,20 +124,46 @@ def read_header(path: Path) -> Found:
     version = int(state.get("version", 0))
     if version > VERSION:
         raise ValueError(f"written by a newer ddpkit (format version {version})")
-    position = state.get("position") or {}
     epoch = int(state["epoch"])
     if version < 2:  # 0.1's latest.pth / previous.pth: an epoch end, before steps were counted
         return Found(path.name, f"v1:{path.name}:{epoch}", 0, 0, "epoch", epoch + 1,
                      int(state.get("world_size", 1)))  # fmt: skip
+    kind, position = check_position(state)
     return Found(
         name=path.name,
         snapshot=str(state["snapshot"]),
         generation=int(state["generation"]),
-        step=int(position.get("step", 0)),
-        kind=str(state.get("kind", "epoch")),
-        epoch=int(position.get("epoch", epoch + 1)),
-        world_size=int(state.get("world_size", 1)),
+        step=position.step,
+        kind=kind,
+        epoch=position.epoch,
+        world_size=position.world_size,
     )
+
+
+def check_position(state: Mapping[str, Any]) -> tuple[str, Position]:
+    """The kind and position of a (version 2) checkpoint's state, checked against each other.
+
+    Raises:
+        ValueError: the kind is unknown, a field of the position is missing,
+            of the wrong type or out of range (:meth:`Position.from_dict`), an
+            epoch end sits mid-epoch, or the position's world size is not the
+            checkpoint's; the message names the field and its value.
+    """
+    kind = state.get("kind")
+    if kind not in _KIND_ORDER:
+        raise ValueError(f"its kind is {kind!r}, not one of {', '.join(map(repr, _KIND_ORDER))}")
+    position = Position.from_dict(state.get("position"))
+    if kind == "epoch" and position.mid_epoch:
+        raise ValueError(
+            f"it is an epoch end but its position is mid-epoch (batches={position.batches}, "
+            f"samples={position.samples})"
+        )
+    saved = state.get("world_size")
+    if saved != position.world_size:
+        raise ValueError(
+            f"its world_size is {saved!r} but its position's world_size is {position.world_size}"
+        )
+    return str(kind), position
 
 
 def scan(directory: Path) -> tuple[list[Found], list[tuple[str, str]]]:

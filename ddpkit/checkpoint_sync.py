@@ -15,15 +15,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ddpkit._docs import see
-from ddpkit.checkpoint_files import LATEST, Found, newest_first, read_header, scan
+from ddpkit.checkpoint_files import (
+    LATEST,
+    Found,
+    check_position,
+    newest_first,
+    read_header,
+    scan,
+)
 from ddpkit.comm import all_gather_object, get_rank, get_world_size
 from ddpkit.parallel import unwrap_model
 from ddpkit.position import Position
 from ddpkit.rank0 import Rank0Error
-from ddpkit.rng import restore_rng_state
+from ddpkit.rng import check_rng_state, restore_rng_state
 from ddpkit.serialization import CheckpointError, MapLocation, load_checkpoint
 from ddpkit.snapshot import BackgroundWriter
 from ddpkit.transfer import broadcast_state
@@ -31,6 +39,7 @@ from ddpkit.transfer import broadcast_state
 __all__ = [
     "Agreed",
     "Restored",
+    "check_fits",
     "describe_error",
     "load_newest",
     "next_generation",
@@ -73,8 +82,8 @@ def load_newest(directory: Path, path: Path | None, map_location: MapLocation) -
             and none of them loads on any rank.
     """
     found, bad = scan(directory)
-    explicit = _header_at(path) if path is not None else None
-    views = all_gather_object((found, bad, explicit))
+    explicit, what = _header_at(path) if path is not None else (None, "")
+    views = all_gather_object((found, bad, explicit, what))
     generation = max((f.generation for v in views for f in v[0]), default=0)
     damaged = any(name == LATEST for name, _ in bad)
     _warn_unreadable(views, directory)
@@ -82,9 +91,11 @@ def load_newest(directory: Path, path: Path | None, map_location: MapLocation) -
         held = [(f, [r for r, v in enumerate(views) if v[2] == f])
                 for f in dict.fromkeys(v[2] for v in views if v[2] is not None)]  # fmt: skip
         if not held:
+            said = dict.fromkeys(v[3] for v in views)  # each rank's finding, once
             raise CheckpointError(
-                f"resume: no rank can read a checkpoint at {path}; check the path on the node "
-                "that wrote it. " + see("checkpoints")
+                f"resume: {path} is not a checkpoint on any rank: {'; '.join(said)}. Resume "
+                f"from a checkpoint ddpkit wrote: latest.pth, interrupted.pth or step-*.pth in "
+                "the checkpoint directory (or no path: the newest there). " + see("checkpoints")
             )
         candidates = held[:1]
     else:
@@ -139,19 +150,54 @@ def next_generation(directory: Path) -> int:
     return max(all_gather_object(mine)) + 1
 
 
-def _header_at(path: Path) -> Found | None:
-    if not path.is_file():
-        return None
+def _header_at(path: Path) -> tuple[Found | None, str]:
+    """The header of the checkpoint at ``path``, or None and what the path is instead."""
+    where = f"on rank {get_rank()}"
+    if path.is_dir():
+        return None, (
+            f"{where} it is a directory; pass a file in it, such as {path / LATEST}, or "
+            "resume without a path (fit(resume=True), the example's --resume without PATH, "
+            "--checkpoints DIR) to take the newest"
+        )
+    if not path.exists():
+        return None, f"{where} there is no such file (check the path on the node that wrote it)"
     try:
-        return read_header(path)
-    except (OSError, ValueError):
-        return None
+        return read_header(path), ""
+    except OSError as exc:
+        return None, f"{where} it cannot be read ({exc})"
+    except ValueError as exc:
+        return None, f"{where} {_what_file(path, str(exc))}"
+
+
+def _what_file(path: Path, reason: str) -> str:
+    """What a file that is not a checkpoint is, and what to do with it."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(b"\x89PNG") or head.startswith(b"%PDF") or head.startswith(b"<?xml"):
+        return "it is an image (the learning curves ddpkit plot draws), not a checkpoint"
+    if path.suffix == ".jsonl" or head.lstrip().startswith(b"{"):
+        return "it is a text file (metrics.jsonl, the epoch records fit writes), not a checkpoint"
+    if reason == "not a ddpkit checkpoint" and _holds_weights(path):
+        return (
+            "it holds a model's weights alone (best.pth, <prefix>-epoch<N>-acc<a>.pth): no "
+            "optimizer or position to resume. Start from them with load_pretrained "
+            "(the example's --pretrained PATH)"
+        )
+    return f"it is not a ddpkit checkpoint ({reason})"
+
+
+def _holds_weights(path: Path) -> bool:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # unreadable either way: read_header said why
+        return False
+    return isinstance(state, dict) and any(isinstance(v, torch.Tensor) for v in state.values())
 
 
 def _warn_unreadable(views: list[Any], directory: Path) -> None:
     """Warn once per unreadable file, on the lowest rank that found it."""
     rank, seen = get_rank(), set()
-    for r, (_, bad, _) in enumerate(views):
+    for r, (_, bad, _, _) in enumerate(views):
         for name, reason in bad:
             if (name, reason) in seen:
                 continue
@@ -239,27 +285,48 @@ def restore_state(
     parts: tuple[Any, ...],
     strict_rng: bool,
     ema: nn.Module | None = None,
+    where: str | None = None,
 ) -> Restored:
     """Load ``state`` into ``model`` and ``parts`` (optimizer, scheduler, scaler; None: skipped).
 
     This rank's RNG state is restored when the world size is the one that saved.
+    Everything is checked before anything is loaded: the position, the RNG
+    states, and that the model (and ``ema``) has the checkpoint's tensors.
+
+    Args:
+        where: the checkpoint's path, for messages; default: its file name.
 
     Raises:
-        CheckpointError: a part asked for is not in ``state``, or the world
-            size changed and ``strict_rng`` is True (with False: a warning).
+        CheckpointError: a part asked for is not in ``state``, the position or
+            an RNG state is malformed, the model is not the one that saved
+            (names the first keys and shapes that differ), or the world size
+            changed and ``strict_rng`` is True (with False: a warning).
     """
+    name = where or found.name
     names = ("optimizer", "scheduler", "scaler")
-    for name, obj in zip(names, parts, strict=True):
-        if obj is not None and state.get(name) is None:
-            raise CheckpointError(f"{found.name} holds no {name} state; pass {name}=None to resume")
+    for part, obj in zip(names, parts, strict=True):
+        if obj is not None and state.get(part) is None:
+            raise CheckpointError(f"{name} holds no {part} state; pass {part}=None to resume")
     if ema is not None and state.get("ema") is None:
         raise CheckpointError(
-            f"{found.name} holds no model average (EMA): it was saved without one. Resume "
+            f"{name} holds no model average (EMA): it was saved without one. Resume "
             "without ema= (fit(ema=None), no --model-ema), or start a new run with it"
         )
-    saved, now = int(state["world_size"]), get_world_size()
+    saved, now = state.get("world_size"), get_world_size()
+    try:
+        if int(state.get("version", 0)) >= 2:
+            position = check_position(state)[1]
+        else:  # 0.1's format: an epoch end
+            position = Position(int(state["epoch"]) + 1, 0, 0, 0, int(saved or 1))
+        _check_rng_list(state.get("rng"), position.world_size)
+    except ValueError as exc:
+        raise CheckpointError(
+            f"{name} cannot be resumed: {exc}. The file was changed after it was written, or "
+            "not by ddpkit; resume from another checkpoint. " + see("checkpoints")
+        ) from None
+    saved = position.world_size
     if saved != now:
-        message = f"{found.name} holds RNG states for {saved} ranks and this job has {now}"
+        message = f"{name} holds RNG states for {saved} ranks and this job has {now}"
         if strict_rng:
             raise CheckpointError(f"{message}; pass strict_rng=False to resume without them")
         if get_rank() == 0:  # the same words from every rank say nothing more
@@ -269,16 +336,76 @@ def restore_state(
                 RuntimeWarning,
                 stacklevel=4,
             )
-    unwrap_model(model).load_state_dict(state["model"])
-    for name, obj in zip(names, parts, strict=True):
+    target = unwrap_model(model)
+    check_fits(target, state["model"], name, "model")
+    if ema is not None:
+        check_fits(ema, state["ema"], name, "model average (EMA)")
+    target.load_state_dict(state["model"])
+    for part, obj in zip(names, parts, strict=True):
         if obj is not None:
-            obj.load_state_dict(state[name])
+            obj.load_state_dict(state[part])
     if ema is not None:
         ema.load_state_dict(state["ema"])
     if saved == now:
         restore_rng_state(state["rng"][get_rank()])
-    if "position" in state:
-        position = Position.from_dict(state["position"])
-    else:  # 0.1's format: an epoch end
-        position = Position(int(state["epoch"]) + 1, 0, 0, 0, saved)
     return Restored(position, state.get("loop"), state.get("best_acc1"), state.get("best_epoch"))
+
+
+def _check_rng_list(rng: Any, world_size: int) -> None:
+    """The checkpoint's ``rng``: one state of :func:`capture_rng_state` per saving rank."""
+    if not isinstance(rng, list | tuple):
+        raise ValueError(f"its 'rng' field is {rng!r:.60}, not a list of one RNG state per rank")
+    if len(rng) != world_size:
+        raise ValueError(
+            f"its 'rng' field holds {len(rng)} RNG state(s), but {world_size} rank(s) saved it"
+        )
+    for rank, entry in enumerate(rng):
+        try:
+            check_rng_state(entry)
+        except ValueError as exc:
+            raise ValueError(f"its 'rng' field, entry {rank} (rank {rank}'s): {exc}") from None
+
+
+def check_fits(module: nn.Module, weights: Any, name: str, what: str = "model") -> None:
+    """Refuse ``weights`` that do not load into ``module``, naming the first differences.
+
+    Raises:
+        CheckpointError: keys missing from the file, keys the module lacks, or
+            tensors of other shapes (the first few of each); or no state dict at all.
+    """
+    if not isinstance(weights, dict):
+        raise CheckpointError(f"{name} holds no {what} state dict (a {type(weights).__name__})")
+    mine = module.state_dict()
+    missing = [k for k in mine if k not in weights]
+    unexpected = [k for k in weights if k not in mine]
+    shapes = [
+        f"{k} (file {list(weights[k].shape)}, {what} {list(v.shape)})"
+        for k, v in mine.items()
+        if k in weights
+        and isinstance(v, torch.Tensor)
+        and isinstance(weights[k], torch.Tensor)
+        and weights[k].shape != v.shape
+    ]
+    if not (missing or unexpected or shapes):
+        return
+    said = [
+        f"{label}: {_first(items)}"
+        for label, items in (
+            ("shapes differ", shapes),
+            (f"missing from the file ({len(missing)})", missing),
+            (f"not in the {what} ({len(unexpected)})", unexpected),
+        )
+        if items
+    ]
+    raise CheckpointError(
+        f"{name} was saved from another {what} than this one ({type(module).__name__}); "
+        + "; ".join(said)
+        + ". Resume with the model that wrote it (the same --arch and --num-classes), or start "
+        "a new run in another checkpoint directory; to start from its weights, use "
+        "load_pretrained (--pretrained) with a weight file. " + see("checkpoints")
+    )
+
+
+def _first(items: list[str], count: int = 3) -> str:
+    more = f" and {len(items) - count} more" if len(items) > count else ""
+    return ", ".join(items[:count]) + more

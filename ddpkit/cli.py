@@ -30,14 +30,20 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_plot(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     plot = commands.add_parser(
         "plot",
-        help="draw a run's learning curves into a PNG",
+        help="draw a run's learning curves into an image (PNG, PDF, SVG ...)",
         description="Draw the learning curves of a run from its metrics.jsonl (the log_dir "
         "of fit, the checkpoint directory of the example): loss, top-1/top-5, learning "
         "rate, images/s and the time spent waiting for data, per epoch. Needs matplotlib: "
         "pip install 'ddpkit[plot]'.",
     )
     plot.add_argument("run_dir", metavar="RUN_DIR", help="the directory holding metrics.jsonl")
-    plot.add_argument("-o", "--output", metavar="PNG", help="default: RUN_DIR/curves.png")
+    plot.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="the file to write, exactly; its suffix picks the format (.png, .pdf, .svg ...); "
+        "default: RUN_DIR/curves.png",
+    )
     plot.set_defaults(func=_run_plot, command_parser=plot)
 
 

@@ -7,10 +7,13 @@ without it :class:`PlotUnavailable` says how to install it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from ddpkit._docs import see
 
 __all__ = ["PlotUnavailable", "plot_run", "read_metrics"]
 
@@ -43,39 +46,61 @@ def read_metrics(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dic
     each epoch wins. Lines that are not JSON (a line cut by a crash) are skipped.
 
     Raises:
-        FileNotFoundError: there is no such file.
-        ValueError: it holds no epoch.
+        FileNotFoundError: there is no such file (a directory: no ``metrics.jsonl`` in it).
+        ValueError: it is not text, is empty, holds none of the records ``fit``
+            writes, or holds no epoch yet; the message names the file.
     """
-    path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
+    given = Path(path)
+    path = given / "metrics.jsonl" if given.is_dir() else given
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file; fit(report=ReportConfig(log_dir=...)) "
-                                "writes metrics.jsonl into log_dir")  # fmt: skip
+        raise FileNotFoundError(
+            f"{path}: no such file; fit(report=ReportConfig(log_dir=...)) writes "
+            "metrics.jsonl into log_dir. " + see("plots-ddpkit-plot")
+        )
+    expected = (
+        "ddpkit plot reads the metrics.jsonl that fit(report=ReportConfig(log_dir=...)) "
+        "writes: one JSON record per line. " + see("plots-ddpkit-plot")
+    )
+    data = path.read_bytes()
+    if not data.strip():
+        raise ValueError(f"{path} is empty; {expected}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path} is not text (byte {exc.start} is not UTF-8); {expected}"
+        ) from None
     header: dict[str, Any] = {}
     epochs: dict[int, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(record, dict):
-                continue
-            if "run" in record:
-                run = record["run"]
-                if not (isinstance(run, dict) and run.get("resumed")):
-                    epochs.clear()  # a fresh run: what came before is another run
-                header = run if isinstance(run, dict) else {}
-            elif isinstance(record.get("epoch"), int):
-                epochs[record["epoch"]] = record
+    ours = False  # a record fit writes: a run header or an epoch
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict):
+            continue
+        if "run" in record:
+            ours = True
+            run = record["run"]
+            if not (isinstance(run, dict) and run.get("resumed")):
+                epochs.clear()  # a fresh run: what came before is another run
+            header = run if isinstance(run, dict) else {}
+        elif isinstance(record.get("epoch"), int) and not isinstance(record["epoch"], bool):
+            ours = True
+            epochs[record["epoch"]] = record
+    if not ours:
+        raise ValueError(
+            f"{path} holds none of the records fit writes (a run header or an "
+            f"epoch's figures); {expected}"
+        )
     if not epochs:
         raise ValueError(f"{path} holds no epoch yet")
     return header, [epochs[e] for e in sorted(epochs)]
 
 
 def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
-    """Draw the learning curves of the run in ``run_dir``; return the PNG's path.
+    """Draw the learning curves of the run in ``run_dir``; return the image's path.
 
     Panels: train and validation loss, top-1 and top-5 accuracy (and the
     model average's top-1 with ``fit(ema=...)``), learning rate, images per
@@ -85,11 +110,16 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
 
     Args:
         run_dir: the ``log_dir`` of the run (or its ``metrics.jsonl``).
-        out: where to write; default ``run_dir/curves.png``.
+        out: the file to write, exactly this path; its suffix picks the format
+            (``.png``, ``.pdf``, ``.svg`` ... any that matplotlib writes).
+            Default ``run_dir/curves.png``.
 
     Raises:
         PlotUnavailable: matplotlib is not installed.
         FileNotFoundError, ValueError: as :func:`read_metrics`.
+        ValueError: ``out`` is empty, a directory, or has no suffix or one
+            matplotlib cannot write (the message lists those it can).
+        OSError: the file cannot be written (a full disk ...), naming it.
 
     Example:
         >>> plot_run("runs/exp1")
@@ -104,9 +134,9 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
         raise PlotUnavailable(
             "plotting needs matplotlib: pip install 'ddpkit[plot]' (or pip install matplotlib)"
         ) from None
-    header, records = read_metrics(run_dir)
     base = Path(run_dir) if Path(run_dir).is_dir() else Path(run_dir).parent
-    out = Path(out) if out is not None else base / "curves.png"
+    out, form = _output(out if out is not None else base / "curves.png")
+    header, records = read_metrics(run_dir)
     panels = [(t, [(k, n) for k, n in c if any(_number(r.get(k)) for r in records)])
               for t, c in _PANELS]  # fmt: skip
     panels = [(t, c) for t, c in panels if c]
@@ -139,10 +169,45 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
             ax.legend()
     fig.suptitle(_title(header, records))
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110, format=form)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        if exc.errno == errno.ENOSPC:
+            reason += ": free some space or write elsewhere with -o"
+        raise OSError(exc.errno, f"cannot write the plot to {out}: {reason}") from None
+    finally:
+        plt.close(fig)
     return out
+
+
+def _output(out: str | os.PathLike[str]) -> tuple[Path, str]:
+    """The path to write, as given, and the format its suffix names; refuse what cannot be."""
+    from matplotlib.figure import Figure
+
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    choices = ", ".join(f".{f}" for f in formats)
+    text = os.fspath(out)
+    if not text:
+        raise ValueError(
+            f"the plot's output path is empty; name a file such as curves.png "
+            f"(formats: {choices}). " + see("plots-ddpkit-plot")
+        )
+    path = Path(text)
+    if path.is_dir() or text.endswith(("/", os.sep)):
+        raise ValueError(
+            f"the plot's output {text} is a directory; name a file in it, such as "
+            f"{path / 'curves.png'}. " + see("plots-ddpkit-plot")
+        )
+    form = path.suffix.removeprefix(".").lower()
+    if form not in formats:
+        what = f"suffix {path.suffix!r}" if path.suffix else "no suffix"
+        raise ValueError(
+            f"the plot's output {text} has {what}, which names no image format "
+            f"matplotlib writes; end it with one of {choices}. " + see("plots-ddpkit-plot")
+        )
+    return path, form
 
 
 def _last_confusion(records: list[dict[str, Any]]) -> tuple[list[list[int]], int] | None:

@@ -2,12 +2,15 @@
 
 A step checkpoint stores a :class:`Position`; with the per-sample seeds of
 ``(seed, epoch, index)`` that is all an exact continuation needs to know about
-the data: the next batch is the one after ``batches`` of this epoch's order.
+the data: the next batch is the one after ``batches`` of this epoch's order,
+provided the data are the same: a step checkpoint also records the training
+set's size and a digest of its index, which the resume compares.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Position"]
@@ -24,6 +27,9 @@ class Position:
             rest of the epoch starts there, on any number of ranks.
         step: optimizer steps taken since the run began, over all epochs.
         world_size: how many ranks were training when the position was taken.
+        data_size: samples in the training set then; None: not recorded.
+        data_digest: a digest of the training set's index (its labels and
+            classes, or ``targets``); None: not recorded or not cheap to take.
     """
 
     epoch: int = 0
@@ -31,19 +37,61 @@ class Position:
     samples: int = 0
     step: int = 0
     world_size: int = 1
+    data_size: int | None = None
+    data_digest: str | None = None
 
     @property
     def mid_epoch(self) -> bool:
         """Part of ``epoch`` is done and part is not."""
         return self.batches > 0 or self.samples > 0
 
-    def as_dict(self) -> dict[str, int]:
-        """The fields as a dict of ints, as a checkpoint stores them."""
-        return {k: int(v) for k, v in asdict(self).items()}
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a checkpoint stores them (the data's only when recorded)."""
+        stored: dict[str, Any] = {k: int(getattr(self, k)) for k in _COUNTS}
+        if self.data_size is not None:
+            stored["data_size"] = int(self.data_size)
+        if self.data_digest is not None:
+            stored["data_digest"] = str(self.data_digest)
+        return stored
 
     @classmethod
     def from_dict(cls, data: Any) -> Position:
-        """The position a checkpoint stored; unknown keys are ignored."""
-        fields = {k: int(data[k]) for k in ("epoch", "batches", "samples", "step", "world_size")
-                  if k in data}  # fmt: skip
+        """The position a checkpoint stored, checked field by field; unknown keys are ignored.
+
+        Raises:
+            ValueError: ``data`` is not a mapping, or a field is missing, not an
+                int, out of range, or at odds with another; the message names
+                the field and its value.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"the position is a {type(data).__name__}, not a dict of fields")
+        fields: dict[str, Any] = {}
+        for name, low in _COUNTS.items():
+            if name not in data:
+                raise ValueError(f"the position lacks its {name!r} field")
+            fields[name] = _count(name, data[name], low)
+        if data.get("data_size") is not None:
+            fields["data_size"] = _count("data_size", data["data_size"], 0)
+        digest = data.get("data_digest")
+        if digest is not None:
+            if not isinstance(digest, str) or not digest:
+                raise ValueError(f"the position's data_digest is {digest!r}, not a digest string")
+            fields["data_digest"] = digest
+        if (fields["batches"] == 0) != (fields["samples"] == 0):
+            raise ValueError(
+                f"the position's batches={fields['batches']} and samples={fields['samples']} "
+                "disagree: a batch consumes samples, and samples are consumed in batches"
+            )
         return cls(**fields)
+
+
+# The counting fields, each with its least value.
+_COUNTS = {"epoch": 0, "batches": 0, "samples": 0, "step": 0, "world_size": 1}
+
+
+def _count(name: str, value: Any, low: int) -> int:
+    if type(value) is not int:  # bool, float, str: not what a save writes
+        raise ValueError(f"the position's {name} is {value!r} ({type(value).__name__}), not an int")
+    if value < low:
+        raise ValueError(f"the position's {name} is {value}, below its least value {low}")
+    return value

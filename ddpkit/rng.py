@@ -16,7 +16,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-__all__ = ["capture_rng_state", "restore_rng_state", "sample_seed", "seeded"]
+__all__ = ["capture_rng_state", "check_rng_state", "restore_rng_state", "sample_seed", "seeded"]
 
 _MASK64 = (1 << 64) - 1
 _HostStates = tuple[Any, Any, torch.Tensor]
@@ -58,16 +58,13 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         state: its dict, possibly saved and loaded.
 
     Raises:
-        ValueError: ``state`` lacks a part.
+        ValueError: ``state`` is not such a dict (:func:`check_rng_state`);
+            nothing is restored.
 
     Example:
         >>> restore_rng_state(load_checkpoint("run/latest.pth")["rng"][get_rank()])
     """
-    missing = {"python", "numpy", "torch"} - set(state)
-    if missing:
-        raise ValueError(
-            f"restore_rng_state: the state lacks {sorted(missing)}; pass capture_rng_state()'s dict"
-        )
+    check_rng_state(state)
     version, internal, gauss = state["python"]
     kind, keys, pos, has_gauss, cached = state["numpy"]
     _set_host_states(
@@ -81,6 +78,66 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         # On machines with fewer GPUs than the saving ones, restore the generators that exist.
         for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(cuda_state.cpu(), index)
+
+
+def check_rng_state(state: Any) -> None:
+    """Check that ``state`` has the shape :func:`capture_rng_state` gives, before restoring any.
+
+    Raises:
+        ValueError: it is not a dict, lacks a part, or a part has another
+            shape or type; the message names the part and what it holds.
+    """
+    if not isinstance(state, Mapping):
+        raise ValueError(f"the RNG state is {_shown(state)}, not capture_rng_state()'s dict")
+    missing = {"python", "numpy", "torch"} - set(state)
+    if missing:
+        raise ValueError(f"the RNG state lacks {sorted(missing)}; pass capture_rng_state()'s dict")
+    python = state["python"]
+    if not (
+        isinstance(python, tuple | list)
+        and len(python) == 3
+        and isinstance(python[1], tuple | list)
+        and all(type(v) is int for v in python[1])
+    ):
+        raise ValueError(
+            f"the RNG state's 'python' part is {_shown(python)}, not "
+            "random.getstate()'s (version, internal state, gauss)"
+        )
+    numpy = state["numpy"]
+    if not (
+        isinstance(numpy, tuple | list)
+        and len(numpy) == 5
+        and isinstance(numpy[0], str)
+        and isinstance(numpy[1], torch.Tensor)
+        and numpy[1].dim() == 1
+        and not numpy[1].is_floating_point()
+        and type(numpy[2]) is int
+        and type(numpy[3]) is int
+        and isinstance(numpy[4], float | int)
+    ):
+        raise ValueError(
+            f"the RNG state's 'numpy' part is {_shown(numpy)}, not (kind, key "
+            "tensor, position, has_gauss, cached)"
+        )
+    cpu = state["torch"]
+    if not (isinstance(cpu, torch.Tensor) and cpu.dtype == torch.uint8 and cpu.dim() == 1):
+        raise ValueError(f"the RNG state's 'torch' part is {_shown(cpu)}, not a uint8 tensor")
+    cuda = state.get("cuda", [])
+    if not (
+        isinstance(cuda, list | tuple)
+        and all(isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda)
+    ):
+        raise ValueError(
+            f"the RNG state's 'cuda' part is {_shown(cuda)}, not a list of uint8 tensors"
+        )
+
+
+def _shown(value: Any) -> str:
+    """A short description of ``value`` for an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return f"{text[:60]}..." if len(text) > 60 else text
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,7 @@ from ddpkit import comm
 from ddpkit._docs import see
 from ddpkit.checkpoint import CheckpointManager
 from ddpkit.control import Preempted, StepControl, Stop
-from ddpkit.data.resume import epoch_batches
+from ddpkit.data.resume import check_start, data_change, epoch_batches
 from ddpkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ddpkit.evaluation import AMP_DTYPES, Amp, Criterion, Normalize, autocast, to_device
 from ddpkit.parallel import no_sync, unwrap_model
@@ -30,7 +31,7 @@ from ddpkit.position import Position
 from ddpkit.reporting import Reporter
 from ddpkit.serialization import CheckpointError
 
-__all__ = ["Run", "TrainConfig", "TrainingError", "stop_now", "train_epoch"]
+__all__ = ["Run", "TrainConfig", "TrainingError", "resume_start", "stop_now", "train_epoch"]
 
 logger = logging.getLogger("ddpkit")
 
@@ -120,6 +121,8 @@ class Run:
     step: int = 0  # optimizer steps since the run began, over all epochs
     ema: Any = None  # an AveragedModel updated after each optimizer step
     per_step: bool = False  # the scheduler steps after each optimizer step
+    # The training set's size and index digest, recorded in step checkpoints.
+    data: tuple[int | None, str | None] = (None, None)
 
     def tick(self, phase: str) -> None:
         """Tell the hang watchdog where this rank is."""
@@ -223,7 +226,8 @@ def train_epoch(
             if run.scheduler is not None and run.per_step:
                 run.scheduler.step()
             run.tick("done")
-            _between_steps(run, Position(epoch, i + 1, consumed, run.step, world), last, totals)
+            position = Position(epoch, i + 1, consumed, run.step, world, *run.data)
+            _between_steps(run, position, last, totals)
         if bar is not None and (i % _REFRESH_STEPS == 0 or last):
             finite.check(epoch)
             bar.set_postfix(loss=f"{loss_sum.item() / max(samples, 1):.4f}", refresh=False)
@@ -252,6 +256,57 @@ def train_epoch(
         "seconds": seconds,
         "data_wait": float(total[2].item()) / max(float(total[3].item()), 1e-9),
     }
+
+
+def resume_start(
+    manager: CheckpointManager,
+    loader: Iterable[Any],
+    world: int,
+    on_data_change: str,
+    scheduler: Any,
+) -> Position | None:
+    """Where ``manager``'s resumed checkpoint stands, checked against ``loader``; run on every rank.
+
+    A mid-epoch position taken on other data is refused, or (``on_data_change="next_epoch"``)
+    moved to the next epoch's start, the per-epoch ``scheduler`` stepped as that epoch's end would.
+
+    Raises:
+        CheckpointError: the position is beyond this loader's epoch, or the data
+            changed and ``on_data_change`` is ``"error"``; names the checkpoint.
+    """
+    start, name = manager.position, manager.resumed_checkpoint
+    if start is None or not start.mid_epoch:
+        return start
+    change = data_change(start, getattr(loader, "dataset", None))
+    if change is None:
+        try:
+            check_start(loader, start, world)
+        except ValueError as exc:
+            raise CheckpointError(
+                f"{name} cannot be resumed with this training loader: {exc}. "
+                "Resume with the loader (data, batch size) it was saved with, or "
+                "from another checkpoint. " + see("checkpoints")
+            ) from None
+        return start
+    where = f"{name} stopped in epoch {start.epoch + 1} after {start.samples} samples, and {change}"
+    if on_data_change == "error":
+        raise CheckpointError(
+            f"{where}: the rest of that epoch would read some samples twice and others never. "
+            "Resume with the data it was saved with, or start at the next epoch on the new data "
+            "with fit(faults=FaultConfig(on_data_change='next_epoch')) (the example's "
+            "--on-data-change next-epoch). " + see("checkpoints")
+        )
+    if comm.get_rank() == 0:
+        warnings.warn(
+            f"{where}; as asked (on_data_change='next_epoch'), the rest of epoch "
+            f"{start.epoch + 1} is skipped and epoch {start.epoch + 2} starts on the "
+            "new data",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if scheduler is not None and not getattr(scheduler, "per_step", False):
+        scheduler.step()  # as the skipped epoch's end would have
+    return Position(start.epoch + 1, 0, 0, start.step, world)
 
 
 def _group_size(index: int, total: int | None, accum: int) -> int:

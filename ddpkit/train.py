@@ -35,12 +35,13 @@ from torch import nn
 from ddpkit import comm
 from ddpkit.checkpoint import CheckpointManager
 from ddpkit.control import StepControl
+from ddpkit.data.resume import data_identity
 from ddpkit.devices import module_device
 from ddpkit.ema import sync_ema_buffers
 from ddpkit.evaluation import Criterion, evaluate
 from ddpkit.position import Position
 from ddpkit.reporting import ReportConfig, Reporter
-from ddpkit.steps import Run, TrainConfig, TrainingError, stop_now, train_epoch
+from ddpkit.steps import Run, TrainConfig, TrainingError, resume_start, stop_now, train_epoch
 
 __all__ = [
     "FaultConfig",
@@ -77,13 +78,21 @@ class FaultConfig:
             exits with status 124, which a launcher's restart policy sees as a
             failure. None: no watchdog. Choose it above the slowest step,
             validation batch and checkpoint snapshot.
+        on_data_change: a resume from a mid-epoch checkpoint whose training
+            set had another size or index (recorded in step checkpoints):
+            ``"error"`` raises ``CheckpointError`` (the rest of that epoch's
+            order would read samples twice or never); ``"next_epoch"`` drops
+            the rest of that epoch and starts the next one on the new data
+            (the scheduler steps as at an epoch end), with a warning.
 
     Raises:
-        ValueError: an unknown signal, or a timeout that is not a positive number.
+        ValueError: an unknown signal, a timeout that is not a positive
+            number, or ``on_data_change`` not ``"error"`` or ``"next_epoch"``.
     """
 
     stop_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")
     hang_timeout: float | None = None
+    on_data_change: str = "error"
 
     def __post_init__(self) -> None:
         StepControl(signals=self.stop_signals)  # names checked here, installed by fit
@@ -91,6 +100,10 @@ class FaultConfig:
         if timeout is not None and not (type(timeout) in (int, float) and 0 < timeout < math.inf):
             raise ValueError(f"hang_timeout must be a positive number of seconds or None, "
                              f"got {timeout!r}")  # fmt: skip
+        if self.on_data_change not in ("error", "next_epoch"):
+            raise ValueError(
+                f"on_data_change must be 'error' or 'next_epoch', got {self.on_data_change!r}"
+            )
 
 
 @dataclass
@@ -215,7 +228,7 @@ def fit(
         path = None if resume is True else resume
         checkpoints.resume(model, optimizer, scheduler, scaler, path=path, strict_rng=False,
                            ema=ema)  # fmt: skip
-        start = checkpoints.position
+        start = resume_start(checkpoints, train_loader, world, faults.on_data_change, scheduler)
         carried = _carried(checkpoints.loop, start, world, rank)
     history = History()
     store = _control_store(world, rank)
@@ -245,6 +258,8 @@ def fit(
         run = Run(model, optimizer, criterion, config, dev, scaler, scheduler, checkpoints,
                   control, reporter, watchdog, world, rank,
                   start.step if start is not None else 0, ema, per_step)  # fmt: skip
+        if checkpoints is not None:
+            run.data = data_identity(getattr(train_loader, "dataset", None))
         try:
             first = start.epoch if start is not None else 0
             for epoch in range(first, epochs):

@@ -52,6 +52,16 @@ def _number(kind: type, least: float, strict: bool) -> Any:
     return parse
 
 
+def _classes(data: str | None) -> int | None:
+    """The training set's classes, read from its index (None: no data there yet)."""
+    if data is None:
+        return None
+    try:
+        return len(ddpkit.LazyLMDBDataset(Path(data) / "train.lmdb").classes)
+    except (OSError, ValueError):  # no database: train() names the problem
+        return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data", metavar="DIR", help="directory with train.lmdb and val.lmdb")
@@ -59,7 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--pretrained", metavar="PATH", help="local weights file (nothing is downloaded)"
     )
-    p.add_argument("--num-classes", type=int, help="default: the training set's classes")
+    p.add_argument(
+        "--num-classes",
+        type=_number(int, 1, False),
+        metavar="N",
+        help="default: the training set's classes",
+    )
     layers = p.add_mutually_exclusive_group()
     layers.add_argument("--requires-grad", action="store_true",
                         help="train all layers, with --pretrained too")  # fmt: skip
@@ -85,19 +100,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     rate.add_argument("--lr-base", type=_number(float, 0, True), metavar="LR",
                       help="the learning rate per 256 images, scaled by -b (linear\n"
                            "scaling rule): --lr-base 0.1 -b 1024 is --lr 0.4")  # fmt: skip
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4)
+    p.add_argument("--momentum", type=_number(float, 0, False), default=0.9)
+    p.add_argument(
+        "--wd", "--weight-decay", dest="weight_decay", type=_number(float, 0, False), default=1e-4
+    )
     p.add_argument("--sched", choices=["step", "cosine"], default="step",
                    help="after the warm-up: x0.1 at --milestones (step), or a cosine\n"
                         "to 0 at the last epoch; stepped after every optimizer step")  # fmt: skip
-    p.add_argument("--milestones", type=int, nargs="*", default=[30, 60],
+    p.add_argument("--milestones", type=_number(int, 0, True), nargs="*", default=[30, 60],
                    help="with --sched step: x0.1 at the start of these epochs")  # fmt: skip
     p.add_argument("--warmup-epochs", type=_number(float, 0, False), default=0.0, metavar="E",
                    help="linear warm-up from 1%% of the rate over E epochs")  # fmt: skip
     p.add_argument("--model-ema", action="store_true",
                    help="keep an exponential moving average of the weights, evaluated\n"
                         "beside them each epoch; the better is the epoch's weights")  # fmt: skip
-    p.add_argument("--model-ema-decay", type=float, default=0.9998, metavar="D",
+    p.add_argument("--model-ema-decay", type=_number(float, 0, True), default=0.9998, metavar="D",
                    help="the average's decay per optimizer step (default 0.9998)")  # fmt: skip
     p.add_argument("--mixup", type=_number(float, 0, False), default=0.0, metavar="ALPHA",
                    help="Mixup with Beta(ALPHA, ALPHA) (0: off; 0.8 is common)")  # fmt: skip
@@ -109,8 +126,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model (the first steps compile: slower)")  # fmt: skip
     p.add_argument("--amp", choices=["bf16", "fp16"], help="mixed precision")
-    p.add_argument("--min-crop", type=float, default=0.08, help="RandomResizedCrop's smallest area")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--min-crop",
+        type=_number(float, 0, True),
+        default=0.08,
+        metavar="AREA",
+        help="RandomResizedCrop's smallest area, a share in (0, 1]",
+    )
+    p.add_argument("--seed", type=_number(int, 0, False), default=0)
     p.add_argument("--checkpoints", default="checkpoints", metavar="DIR")
     p.add_argument("--log-dir", metavar="DIR",
                    help="where rank 0 writes metrics.jsonl (default: --checkpoints)")  # fmt: skip
@@ -133,6 +156,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a checkpoint when M minutes passed since the last")  # fmt: skip
     p.add_argument("--save-on-each-node", action="store_true",
                    help="each node's first process writes its own copy too")  # fmt: skip
+    p.add_argument(
+        "--on-data-change",
+        choices=("error", "next-epoch"),
+        default="error",
+        help="a mid-epoch checkpoint of a training set since changed:\n"
+        "refuse it (error), or start the next epoch on the new data",
+    )
     p.add_argument("--hang-timeout", type=_number(float, 0, True), metavar="SECONDS",
                    help="a rank without progress this long: stacks logged, exit 124")  # fmt: skip
     p.add_argument("--max-restarts", type=_number(int, 0, False), default=0, metavar="N",
@@ -140,21 +170,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "up to N times, resuming (torchrun: its own --max-restarts)")  # fmt: skip
     p.add_argument("--network", metavar="NAME",
                    help="name prefix of the per-epoch weights (default: --arch)")  # fmt: skip
-    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument(
+        "--image-size",
+        type=_number(int, 32, False),
+        default=224,
+        metavar="PIXELS",
+        help="the crop's side, at least 32 (the network downsamples x32)",
+    )
     p.add_argument("--dist-url", help="tcp://<node 0 address>:<port>, env:// or file://")
     p.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"])
-    p.add_argument("--world-size", type=int, default=1, help="number of nodes")
-    p.add_argument("--rank", type=int, default=0, help="this node's rank")
+    p.add_argument("--world-size", type=_number(int, 1, False), default=1, help="number of nodes")
+    p.add_argument("--rank", type=_number(int, 0, False), default=0, help="this node's rank")
     p.add_argument("--multiprocessing-distributed", action="store_true",
                    help="one process per GPU on this node (or --nprocs CPU processes)")  # fmt: skip
     p.add_argument("--nprocs", type=_number(int, 1, False), metavar="N",
                    help="processes per node with -m-d (CPU: required)")  # fmt: skip
-    p.add_argument("--gpu", type=int, help="the GPU of a one-process run")
+    p.add_argument("--gpu", type=_number(int, 0, False), help="the GPU of a one-process run")
     p.add_argument("--demo", action="store_true", help="train on generated shapes, then resume")
     p.add_argument("--out", default="demo-out", help="the demo's directory")
-    p.add_argument("--demo-epochs", type=int, default=7, help="then one more, resumed")
-    p.add_argument("--demo-classes", type=int, default=6, help="colour x shape classes")
-    p.add_argument("--demo-per-class", type=int, default=250, help="training images per class")
+    p.add_argument(
+        "--demo-epochs", type=_number(int, 1, False), default=7, help="then one more, resumed"
+    )
+    p.add_argument(
+        "--demo-classes", type=_number(int, 2, False), default=6, help="colour x shape classes"
+    )
+    p.add_argument(
+        "--demo-per-class",
+        type=_number(int, 1, False),
+        default=250,
+        help="training images per class",
+    )
     p.add_argument("--demo-recipe", choices=["modern", "classic"], default="modern",
                    help="modern: 1 warm-up epoch, cosine, EMA; classic: x0.1 for the last\n"
                         "epoch, as the recipe")  # fmt: skip
@@ -178,6 +223,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--network is the start of a file name, without '/': got {args.network!r}")
     if args.evaluate and args.demo:
         p.error("--evaluate measures a checkpoint of --data; --demo trains its own: pick one")
+    if args.min_crop > 1:
+        p.error(
+            f"argument --min-crop: must be <= 1 (a share of the image's area), got "
+            f"{args.min_crop:g}"
+        )
+    if args.rank >= args.world_size:
+        p.error(f"argument --rank: must be below --world-size {args.world_size}, got {args.rank}")
+    if args.mixup or args.cutmix:
+        flag = "--mixup" if args.mixup else "--cutmix"
+        classes = args.num_classes or (args.demo_classes if args.demo else _classes(args.data))
+        if classes is not None and classes < 2:
+            p.error(
+                f"argument {flag}: mixes the targets of two classes and the model has "
+                f"{classes}: pass --num-classes N >= 2 or data with two classes or more, or "
+                f"drop {flag}"
+            )
     if not 0 < args.model_ema_decay < 1:
         p.error(f"--model-ema-decay must lie between 0 and 1, got {args.model_ema_decay}")
     if args.warmup_epochs >= args.epochs and not args.demo:
@@ -352,7 +413,8 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         checkpoints=checkpoints, resume=resume,
         report=ddpkit.ReportConfig(log_dir=args.log_dir or args.checkpoints,
                                    progress=not args.demo),  # a bar on rank 0, not in the demo
-        faults=ddpkit.FaultConfig(hang_timeout=args.hang_timeout),
+        faults=ddpkit.FaultConfig(hang_timeout=args.hang_timeout,
+                                  on_data_change=args.on_data_change.replace("-", "_")),
     )  # fmt: skip
     # Drawing curves.png can leave fit's frame, and with it the loaders, in a reference
     # cycle. Collected now, their persistent workers stop here, before the process group

@@ -10,6 +10,7 @@ are dealt out again: every one of them once, none of the consumed ones again.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import math
@@ -17,13 +18,22 @@ from collections.abc import Callable, Iterable, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler, set_epoch
 from ddpkit.position import Position
 
-__all__ = ["EpochBatches", "epoch_batches", "epoch_order", "remainder_batches"]
+__all__ = [
+    "EpochBatches",
+    "check_start",
+    "data_change",
+    "data_identity",
+    "epoch_batches",
+    "epoch_order",
+    "remainder_batches",
+]
 
 logger = logging.getLogger("ddpkit")
 
@@ -191,3 +201,72 @@ def _loader_like(loader: DataLoader[Any], batches: list[list[Any]]) -> DataLoade
 
 def _length(loader: Iterable[Any]) -> int | None:
     return len(loader) if isinstance(loader, Sized) else None
+
+
+def data_identity(dataset: Any) -> tuple[int | None, str | None]:
+    """The training set's size and a digest of its index, as a step checkpoint records them.
+
+    The digest covers the class names and every sample's label (a
+    ``LazyLMDBDataset``'s index, read once; ``targets`` of another dataset,
+    as ``ImageFolder`` has): cheap, and it changes when samples are added,
+    removed or relabelled. None when the dataset has neither.
+    """
+    size = len(dataset) if isinstance(dataset, Sized) else None
+    labels = getattr(dataset, "labels", None)
+    if not isinstance(labels, np.ndarray | torch.Tensor):
+        labels = getattr(dataset, "targets", None)
+    try:
+        array = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
+    except (TypeError, ValueError):
+        return size, None
+    if labels is None or array.dtype.kind not in "iub" or array.ndim != 1:
+        return size, None
+    digest = hashlib.sha256(np.ascontiguousarray(array, dtype=np.int64).tobytes())
+    classes = getattr(dataset, "classes", None)
+    if isinstance(classes, Sequence):
+        digest.update("\0".join(map(str, classes)).encode())
+    return size, f"sha256:{digest.hexdigest()[:32]}"
+
+
+def data_change(start: Position, dataset: Any) -> str | None:
+    """How the training set differs from the one ``start`` was taken on; None: the same.
+
+    A position that recorded no data (before ddpkit recorded them, or an
+    epoch end) is the same for any data.
+    """
+    if start.data_size is None:
+        return None
+    size, digest = data_identity(dataset)
+    if size is not None and size != start.data_size:
+        return f"the training set had {start.data_size} samples then and has {size} now"
+    if digest is not None and start.data_digest is not None and digest != start.data_digest:
+        return (
+            f"the training set has the same {size} samples but a different index (other "
+            f"labels, order or classes: digest {start.data_digest} then, {digest} now)"
+        )
+    return None
+
+
+def check_start(loader: Iterable[Any], start: Position, world_size: int) -> None:
+    """Refuse a mid-epoch ``start`` that cannot be a position in ``loader``'s epoch.
+
+    Raises:
+        ValueError: on the same number of ranks, ``start.batches`` is more than
+            an epoch's batches per rank, or ``start.samples`` more than an
+            epoch's samples over all ranks; the message names the field.
+    """
+    if not start.mid_epoch or start.world_size != world_size or not isinstance(loader, Sized):
+        return
+    total = len(loader)
+    if start.batches > total:
+        raise ValueError(
+            f"its position's batches is {start.batches}, but an epoch of this training loader "
+            f"has {total} batches per rank"
+        )
+    batch = loader.batch_size if isinstance(loader, DataLoader) else None
+    if batch is not None and start.samples > total * batch * world_size:
+        raise ValueError(
+            f"its position's samples is {start.samples}, but an epoch of this training loader "
+            f"takes at most {total * batch * world_size} ({total} batches of {batch} on "
+            f"{world_size} rank(s))"
+        )
