@@ -297,8 +297,12 @@ def prune_steps(directory: Path, keep: int, generation: int, newest_step: int) -
         if match:
             steps.append((int(match.group(1)), path))
     steps.sort(reverse=True)
-    for index, (_, path) in enumerate(steps):
-        if index >= keep or _generation(path) != generation:
+    kept = 0
+    for _, path in steps:
+        # Only this run's files count towards keep: another generation's go regardless.
+        if kept < keep and _generation(path) == generation:
+            kept += 1
+        else:
             path.unlink(missing_ok=True)
     interrupted = directory / INTERRUPTED
     if interrupted.exists():
