@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -120,11 +120,38 @@ class Run:
     step: int = 0  # optimizer steps since the run began, over all epochs
     ema: Any = None  # an AveragedModel updated after each optimizer step
     per_step: bool = False  # the scheduler steps after each optimizer step
+    started: set[int] = field(default_factory=set)  # loaders whose persistent workers run
 
     def tick(self, phase: str) -> None:
         """Tell the hang watchdog where this rank is."""
         if self.watchdog is not None:
             self.watchdog.progress(self.step, phase)
+
+    def watched(
+        self, loader: Any, batches: Iterable[Any], waiting: str, busy: str
+    ) -> Iterator[Any]:
+        """``batches`` (of ``loader``), telling the watchdog when this rank waits for them.
+
+        ``waiting`` before each batch, ``busy`` once it is here. Until the first
+        batch of a ``DataLoader`` that starts its workers arrives (``iter()``
+        starts them; they import, run ``worker_init_fn``, then fetch), the phase
+        is ``"start_" + waiting``, which the watchdog never times.
+        """
+        self.tick(f"start_{waiting}" if self._starts_workers(loader) else waiting)
+        for batch in batches:
+            self.tick(busy)
+            yield batch
+            self.tick(waiting)
+        self.tick(busy)  # what follows the last batch (the totals' all-reduce) is the work
+
+    def _starts_workers(self, loader: Any) -> bool:
+        if not isinstance(loader, DataLoader) or loader.num_workers == 0:
+            return False
+        if not loader.persistent_workers:
+            return True  # each iterator starts its own
+        known = id(loader) in self.started
+        self.started.add(id(loader))
+        return not known
 
     def update(
         self, images: torch.Tensor, targets: torch.Tensor, update: bool, count: int
@@ -190,16 +217,16 @@ def train_epoch(
 
     i, k = part.done - 1, 0
     rate = run.optimizer.param_groups[0]["lr"]
-    batches = iter(part.batches)
+    # The rest of a resumed epoch may come from a loader of its own, with its own workers.
+    source = part.batches if isinstance(part.batches, DataLoader) else loader
+    batches = run.watched(source, part.batches, "data", "compute")
     while True:
-        run.tick("data")
         asked = time.perf_counter()
         try:
             images, targets = next(batches)
         except StopIteration:
             break
         waited += time.perf_counter() - asked
-        run.tick("compute")
         i += 1
         images, targets = to_device(images, targets, dev, config.normalize)
         if config.channels_last and images.dim() == 4:

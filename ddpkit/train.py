@@ -24,7 +24,7 @@ import secrets
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,9 +279,10 @@ def _finish_epoch(
     if val_loader is not None:
         measure = functools.partial(evaluate, criterion=run.criterion, normalize=config.normalize,
                                     amp=config.amp, device=run.device)  # fmt: skip
-        record.update(_val_record(measure(run.model, _ticking(val_loader, run)), val_loader))
+        watched = functools.partial(run.watched, val_loader, val_loader, "val_data", "validate")
+        record.update(_val_record(measure(run.model, watched()), val_loader))
         if run.ema is not None:
-            averaged = measure(run.ema.module, _ticking(val_loader, run))
+            averaged = measure(run.ema.module, watched())
             record.update({f"val_ema_{k}": averaged[k] for k in ("acc1", "acc5", "loss")})
     if run.scheduler is not None and not run.per_step:
         run.scheduler.step()
@@ -314,13 +315,6 @@ def _val_record(val: dict[str, Any], loader: Iterable[Any]) -> dict[str, Any]:
     if worst is not None and isinstance(classes, Sequence) and worst < len(classes):
         val["worst_class"] = str(classes[worst])
     return {f"val_{k}": v for k, v in val.items()}
-
-
-def _ticking(loader: Iterable[Any], run: Run) -> Iterator[Any]:
-    """``loader``'s batches, each one a sign of life for the hang watchdog."""
-    for batch in loader:
-        run.tick("validate")
-        yield batch
 
 
 def _carried(loop: Any, start: Position | None, world: int, rank: int) -> Any:
