@@ -132,26 +132,32 @@ class Run:
     ) -> Iterator[Any]:
         """``batches`` (of ``loader``), telling the watchdog when this rank waits for them.
 
-        ``waiting`` before each batch, ``busy`` once it is here. Until the first
-        batch of a ``DataLoader`` that starts its workers arrives (``iter()``
-        starts them; they import, run ``worker_init_fn``, then fetch), the phase
-        is ``"start_" + waiting``, which the watchdog never times.
+        ``waiting`` before each batch, ``busy`` once it is here. A ``DataLoader``
+        starts its workers in ``iter()``, and batch ``k`` comes from worker ``k``:
+        until one batch came from each worker (each imported, ran its
+        ``worker_init_fn``, fetched), the phase is ``"start_" + waiting``; after
+        the last batch of workers that are not persistent, while the iterator
+        joins them, ``"end_" + waiting``. The watchdog times neither.
         """
-        self.tick(f"start_{waiting}" if self._starts_workers(loader) else waiting)
-        for batch in batches:
+        starting = self._starts_workers(loader)
+        ending = _ending_workers(loader)
+        self.tick(f"start_{waiting}" if starting else waiting)
+        for count, batch in enumerate(batches, 1):
             self.tick(busy)
             yield batch
-            self.tick(waiting)
+            phase = "start_" if count < starting else "end_" if count == ending else ""
+            self.tick(phase + waiting)
         self.tick(busy)  # what follows the last batch (the totals' all-reduce) is the work
 
-    def _starts_workers(self, loader: Any) -> bool:
+    def _starts_workers(self, loader: Any) -> int:
+        """How many workers iterating ``loader`` starts (persistent ones start once)."""
         if not isinstance(loader, DataLoader) or loader.num_workers == 0:
-            return False
-        if not loader.persistent_workers:
-            return True  # each iterator starts its own
-        known = id(loader) in self.started
-        self.started.add(id(loader))
-        return not known
+            return 0
+        if loader.persistent_workers:
+            if id(loader) in self.started:
+                return 0
+            self.started.add(id(loader))
+        return loader.num_workers
 
     def update(
         self, images: torch.Tensor, targets: torch.Tensor, update: bool, count: int
@@ -279,6 +285,16 @@ def train_epoch(
         "seconds": seconds,
         "data_wait": float(total[2].item()) / max(float(total[3].item()), 1e-9),
     }
+
+
+def _ending_workers(loader: Any) -> int | None:
+    """After which batch a ``DataLoader``'s iterator stops its workers; None: never, or unknown."""
+    if not isinstance(loader, DataLoader) or loader.num_workers == 0 or loader.persistent_workers:
+        return None
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without a length
+        return None
 
 
 def _group_size(index: int, total: int | None, accum: int) -> int:

@@ -47,17 +47,20 @@ _PHASES = {
     "done": "between steps",
     "start_val_data": "starting workers for validation data",
     "val_data": "waiting for validation data",
+    "end_val_data": "stopping the workers of validation data",
     "validate": "in validation",
     "save": "saving a checkpoint",
     "start_data": "starting workers for training data",
     "data": "waiting for training data",
+    "end_data": "stopping the workers of training data",
     "compute": "in compute",
 }
 _ORDER = {name: i for i, name in enumerate(_PHASES)}
 # Never timed: a loader starting its workers (importing torch in each, a spawn or
-# forkserver start, the user's worker_init_fn) takes as long as it takes. While any
-# rank is in one, the others (which soon wait for it in a collective) are not timed either.
-UNTIMED_PHASES = frozenset({"start", "start_data", "start_val_data"})
+# forkserver start, the user's worker_init_fn) or joining them (DataLoader bounds
+# that) takes as long as it takes. While any rank is in one, the others (which soon
+# wait for it in a collective) are not timed either.
+UNTIMED_PHASES = frozenset({"start", "start_data", "start_val_data", "end_data", "end_val_data"})
 # The budget, with T = timeout, I = interval <= 5 s, C = _CALL_S and ticks I + C apart:
 # rank 0 decides by T + 2(I + C) = T + 14, the ranks are out by T + 26, rank 0 (which
 # waits for them) by T + 28; a rank on its own (T + 2I + 5 silence) is out by T + 27.
@@ -167,7 +170,8 @@ class HangWatchdog:
                 ``"done"`` (with the next step: one finished), ``"val_data"``
                 (waiting for a validation batch), ``"validate"``, ``"save"``, or
                 ``"start_data"`` / ``"start_val_data"`` (a loader starting its
-                workers: untimed).
+                workers) or ``"end_data"`` / ``"end_val_data"`` (stopping them):
+                untimed.
 
         Example:
             >>> watchdog.progress(step + 1, "done")

@@ -135,7 +135,7 @@ def slow_workers_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[s
     ``plan``: ``hang_timeout``, ``delay`` (each worker's start, s), ``persistent``,
     ``epochs``, ``hang_val`` (a rank whose validation data hangs after its first batch).
     """
-    faulthandler.dump_traceback_later(150, exit=True)
+    faulthandler.dump_traceback_later(420, exit=True)  # below the test's limit
     torch.manual_seed(1234)
     info = DistInfo(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", True)
     model = wrap_ddp(small_net())
