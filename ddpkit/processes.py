@@ -14,13 +14,12 @@ rank may be writing a checkpoint, so the others then get :data:`STOP_GRACE_S`,
 not the short failure settle; :func:`run_and_collect` leaves the verdict to the caller.
 
 A process that must end at once (``os._exit``: the hang watchdog) first leaves
-the parent its reason with :func:`note_exit`; the parent repeats it.
+the parent its reason (``child.note_exit``); the parent repeats it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import multiprocessing as mp
 import os
@@ -28,9 +27,7 @@ import pickle
 import queue
 import shutil
 import signal
-import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable, Collection, Sequence
@@ -40,19 +37,17 @@ from typing import Any, Literal, Protocol
 
 import torch.distributed as dist
 
+from ddpkit.child import die_with_parent, read_note, write_notes_to
+
 __all__ = [
     "STOP_GRACE_S",
     "Outcome",
     "RankFailedError",
     "Relay",
     "Stop",
-    "die_with_parent",
-    "note_exit",
     "run_and_collect",
     "run_processes",
 ]
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # How long a terminated child gets to exit before it is killed outright.
 _TERMINATE_GRACE_S = 2.0
@@ -74,9 +69,6 @@ _STACKS_S = 1.0
 # (index, "ok" | "error" | "stop", pickled value / message / pickled exception, traceback, time)
 _Report = tuple[int, Literal["ok", "error", "stop"], Any, str, float]
 
-# In a child of run_and_collect: the file where note_exit leaves its reason for the parent.
-_exit_note: str | None = None
-
 
 class RankFailedError(RuntimeError):
     """A process of the job raised, or died without reporting.
@@ -87,7 +79,7 @@ class RankFailedError(RuntimeError):
         remote_traceback: that process's formatted traceback (empty if it died
             without one, for example from a signal).
         exitcode: that process's exit status when it exited without a report, else None.
-        note: what that process said (:func:`note_exit`) before such an exit, else "".
+        note: what that process said (``child.note_exit``) before such an exit, else "".
     """
 
     def __init__(
@@ -137,51 +129,6 @@ def _failure_report(index: int, message: str) -> _Report:
     return (index, "error", message, traceback.format_exc(), time.time())
 
 
-def die_with_parent(parent: int) -> None:
-    """End this process when its parent ends, even by SIGKILL; call it first thing in a child.
-
-    Linux: the kernel sends SIGKILL on the parent's death (``PR_SET_PDEATHSIG``).
-    Elsewhere: a daemon thread checks once a second. Either way a parent that
-    is already gone ends this process at once.
-    """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    else:
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    if os.getppid() != parent:  # died before the request took effect
-        os._exit(1)
-
-
-def note_exit(message: str) -> None:
-    """Leave ``message`` for the parent as the reason this process is about to ``os._exit``.
-
-    In a process started by :func:`run_and_collect` (``spawn``, ``run_distributed``)
-    the parent names it instead of "exited without returning"; elsewhere it does
-    nothing. Never raises.
-    """
-    path = _exit_note
-    if path is None:
-        return
-    with contextlib.suppress(OSError):
-        with open(f"{path}.tmp", "w", encoding="utf-8") as file:
-            file.write(message)
-        os.replace(f"{path}.tmp", path)  # the parent reads all of it or nothing
-
-
-def _read_note(notes: str, index: int) -> str:
-    path = os.path.join(notes, str(index))
-    with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as file:
-        return file.read().strip()
-    return ""
-
-
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
-
-
 def _child_entry(
     target: Callable[..., Any],
     index: int,
@@ -192,8 +139,7 @@ def _child_entry(
     sigmask: set[signal.Signals] | None,
     notes: str,
 ) -> None:
-    global _exit_note
-    _exit_note = os.path.join(notes, str(index))
+    write_notes_to(notes, index)
     if sigmask is not None:
         # A group of its own: a terminal's Ctrl-C reaches only the parent, which
         # forwards it. SIGINT was blocked from the fork until here (see _start).
@@ -445,7 +391,7 @@ def _collect(
                 if code in stop_exit_codes or -code in forwarded:
                     stops[rank] = Stop(labels.first + rank, None, code)
                     continue
-                note = _read_note(labels.notes, rank)
+                note = read_note(labels.notes, rank)
                 why = note or (
                     "without returning or raising "
                     "(killed by a signal, os._exit, or a crash in native code)"

@@ -148,10 +148,10 @@ def spawn(
                 "spawn(nprocs=None) starts one process per GPU, and no GPU is visible: "
                 "pass nprocs=N to run N CPU processes with Gloo"
             )
-    check_count("nprocs", nprocs, 1)
-    check_count("nnodes", nnodes, 1)
-    check_count("node_rank", node_rank, 0)
-    check_count("max_restarts", max_restarts, 0)
+    nprocs = check_count("nprocs", nprocs, 1)
+    nnodes = check_count("nnodes", nnodes, 1)
+    node_rank = check_count("node_rank", node_rank, 0)
+    max_restarts = check_count("max_restarts", max_restarts, 0)
     if node_rank >= nnodes:
         raise ValueError(f"node_rank={node_rank} must be in 0..{nnodes - 1} for nnodes={nnodes}")
     if nnodes > 1 and init_method is None:

@@ -18,7 +18,6 @@ import dataclasses
 import datetime
 import functools
 import logging
-import math
 import os
 import secrets
 import sys
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit import comm
+from ddpkit._numbers import positive_seconds
 from ddpkit.checkpoint import CheckpointManager
 from ddpkit.control import StepControl
 from ddpkit.devices import module_device
@@ -88,9 +88,13 @@ class FaultConfig:
     def __post_init__(self) -> None:
         StepControl(signals=self.stop_signals)  # names checked here, installed by fit
         timeout = self.hang_timeout
-        if timeout is not None and not (type(timeout) in (int, float) and 0 < timeout < math.inf):
-            raise ValueError(f"hang_timeout must be a positive number of seconds or None, "
-                             f"got {timeout!r}")  # fmt: skip
+        if timeout is not None:
+            seconds = positive_seconds(timeout)
+            if seconds is None:
+                raise ValueError(
+                    f"hang_timeout must be a positive number of seconds or None, got {timeout!r}"
+                )
+            object.__setattr__(self, "hang_timeout", seconds)  # frozen: a plain float from here
 
 
 @dataclass

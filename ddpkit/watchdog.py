@@ -30,10 +30,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit._numbers import positive_seconds
+from ddpkit.child import note_exit
 from ddpkit.comm import get_rank, get_world_size, is_dist_initialized
 from ddpkit.control import HANG_EXIT_CODE
 from ddpkit.deadline import BoundedCalls, DeadlinePassed
-from ddpkit.processes import note_exit
 
 __all__ = ["UNTIMED_PHASES", "HangWatchdog", "format_stacks"]
 
@@ -135,18 +136,21 @@ class HangWatchdog:
         world_size: int | None = None,
         _exit: Callable[[int], object] = os._exit,
     ) -> None:
-        if not _seconds(timeout):
+        seconds = positive_seconds(timeout)
+        if seconds is None:
             raise ValueError(f"timeout must be positive finite seconds, got {timeout!r}")
-        most = min(timeout / 2, _MAX_INTERVAL_S)
-        interval = min(timeout / 4, _MAX_INTERVAL_S) if interval is None else interval
-        if not _seconds(interval) or interval > most:
+        most = min(seconds / 2, _MAX_INTERVAL_S)
+        every = (
+            min(seconds / 4, _MAX_INTERVAL_S) if interval is None else positive_seconds(interval)
+        )
+        if every is None or every > most:
             raise ValueError(
                 f"interval must be positive seconds, at most timeout / 2 and {_MAX_INTERVAL_S:g} "
                 f"(here {most:g}), got {interval!r}; leave it out for the default"
             )
         if store is not None and not is_dist_initialized() and None in (rank, world_size):
             raise ValueError("store= needs rank= and world_size= when there is no process group")
-        self.timeout, self.interval = float(timeout), float(interval)
+        self.timeout, self.interval = seconds, every
         self._prefix, self._exit = prefix, _exit
         self._base, self._rank, self._world = store, rank, world_size
         self._last: tuple[int, str, float] = (0, "start", _monotonic())
@@ -406,9 +410,3 @@ def _where(step: int, phase: str) -> str:
 def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:16]))
     return shown if len(ranks) <= 16 else f"{shown}, ... ({len(ranks)} in all)"
-
-
-def _seconds(value: object) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    return math.isfinite(value) and value > 0
