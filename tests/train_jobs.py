@@ -108,12 +108,15 @@ class SlowStart(Dataset[tuple[torch.Tensor, int]]):
 
     A ``spawn`` worker unpickles its dataset first thing: ``__setstate__`` stands
     for a slow import, a network mount or a ``worker_init_fn``. In the worker
-    ``hang_worker`` reads never return (a stuck file system); worker 0 reads the
-    first batch, so the loader started before the hang.
+    ``hang_worker``, reads after its first batch (``hang_after`` reads) never
+    return (a stuck file system): every worker started before the hang.
     """
 
-    def __init__(self, delay: float, n: int = 48, hang_worker: int | None = None) -> None:
+    def __init__(
+        self, delay: float, n: int = 48, hang_worker: int | None = None, hang_after: int = 4
+    ) -> None:
         self.inner, self.delay, self.hang_worker = NoisyBlobs(n), delay, hang_worker
+        self.hang_after, self.reads = hang_after, 0
 
     def __setstate__(self, state: dict[str, object]) -> None:
         time.sleep(state["delay"])  # type: ignore[arg-type]
@@ -124,7 +127,8 @@ class SlowStart(Dataset[tuple[torch.Tensor, int]]):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         worker = get_worker_info()
-        if worker is not None and worker.id == self.hang_worker:
+        self.reads += 1
+        if worker is not None and worker.id == self.hang_worker and self.reads > self.hang_after:
             threading.Event().wait()
         return self.inner[index]
 
@@ -141,10 +145,10 @@ def slow_workers_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[s
     model = wrap_ddp(small_net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     delay, persistent = plan["delay"], plan["persistent"]
-    hang = 1 if plan.get("hang_val") == rank else None  # the worker of the second batch
+    hang = 1 if plan.get("hang_val") == rank else None  # the worker of batches 2, 4, ...
     loaders = [
         build_loader(
-            SlowStart(delay, n, hang if not train else None),
+            SlowStart(delay, n, hang if not train else None, hang_after=4),
             batch_size=4,
             train=train,
             workers=2,
@@ -153,7 +157,7 @@ def slow_workers_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[s
             persistent_workers=persistent,
             multiprocessing_context="spawn",
         )
-        for n, train in ((16, True), (16, False))
+        for n, train in ((16, True), (32, False))
     ]
     history = fit(
         model,
