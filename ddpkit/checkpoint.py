@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit._numbers import positive_seconds
 from ddpkit.checkpoint_files import (
     FORMAT,
     INTERRUPTED,
@@ -147,15 +148,14 @@ class CheckpointManager:
                             ("every_steps", every_steps)):  # fmt: skip
             if count is not None and (type(count) is not int or count < 1):
                 raise ValueError(f"{name} must be at least 1, got {count!r}")
-        if every_minutes is not None and not (
-            type(every_minutes) in (int, float) and 0 < every_minutes < math.inf
-        ):
+        minutes = None if every_minutes is None else positive_seconds(every_minutes)
+        if every_minutes is not None and minutes is None:
             raise ValueError(f"every_minutes must be > 0 or None, got {every_minutes!r}")
         if not prefix or "/" in prefix or os.sep in prefix:
             raise ValueError(f"prefix must be a file name prefix without '/', got {prefix!r}")
         self.directory = Path(directory)
         self.prefix, self.keep_last, self.keep_steps = prefix, keep_last, keep_steps
-        self.every_steps, self.every_minutes = every_steps, every_minutes
+        self.every_steps, self.every_minutes = every_steps, minutes
         self.on_each_node = on_each_node
         self.latest_path = self.directory / LATEST
         self.interrupted_path = self.directory / INTERRUPTED

@@ -57,10 +57,12 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     doctor.add_argument("--master-addr", help="rank 0's host (default: MASTER_ADDR)")
     doctor.add_argument(
-        "--master-port", type=int, help="the rendezvous port (default: MASTER_PORT)"
+        "--master-port", type=_port, help="the rendezvous port (default: MASTER_PORT)"
     )
     doctor.add_argument(
-        "--world-size", type=int, help="the total number of processes, to compare with the launcher"
+        "--world-size",
+        type=_positive_int,
+        help="the total number of processes, to compare with the launcher",
     )
     doctor.add_argument(
         "--timeout",
@@ -187,6 +189,26 @@ def _seconds(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds (e.g. 3)")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1 (e.g. 8)")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port, 1 to 65535 (e.g. 29500)")
     return value
 
 

@@ -25,7 +25,9 @@ __all__ = [
     "HANG_EXIT_CODE",
     "PREEMPTED_EXIT_CODE",
     "Actions",
+    "HangStopped",
     "Preempted",
+    "SignalStopped",
     "StepControl",
     "Stop",
 ]
@@ -62,6 +64,53 @@ class Preempted(SystemExit):
 
     def __reduce__(self) -> tuple[type[Preempted], tuple[str, str | None, int]]:
         return Preempted, (self.signal_name, self.checkpoint, self.step)
+
+
+class HangStopped(SystemExit):
+    """The hang watchdog stopped the job's processes (``spawn``); restart it to continue.
+
+    A ``SystemExit`` with code :data:`HANG_EXIT_CODE` (124): uncaught, the
+    process exits with that status, as each rank did. ``spawn`` logs the
+    finding before raising it.
+
+    Attributes:
+        finding: the watchdog's words: which rank stopped, at which step, where.
+    """
+
+    def __init__(self, finding: str) -> None:
+        super().__init__(HANG_EXIT_CODE)
+        self.finding = finding
+
+    def __str__(self) -> str:
+        return self.finding
+
+    def __reduce__(self) -> tuple[type[HangStopped], tuple[str]]:
+        return HangStopped, (self.finding,)
+
+
+class SignalStopped(SystemExit):
+    """The job ended on a signal before it saved anything: there is nothing to resume from.
+
+    A ``SystemExit`` with code ``128 + signum`` (143 for SIGTERM), as a shell
+    reports a command a signal ended, not :data:`PREEMPTED_EXIT_CODE`, which
+    promises a checkpoint. ``spawn`` logs what happened before raising it.
+
+    Attributes:
+        signal_name: the signal, e.g. ``"SIGTERM"``.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+
+    def __str__(self) -> str:
+        return (
+            f"stopped by {self.signal_name} before training began (or with no stop handler "
+            f"installed): nothing was saved; exit status {self.code}"
+        )
+
+    def __reduce__(self) -> tuple[type[SignalStopped], tuple[int]]:
+        return SignalStopped, (int(self.code) - 128,)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import os
 import platform
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from ddpkit._numbers import positive_seconds
 from ddpkit._version import __version__
 from ddpkit.interfaces import IB_SYSFS, ifname_selects, list_interfaces
 from ddpkit.launchers import LaunchEnv, detect_launcher, master_endpoint, parse_port
@@ -93,9 +93,10 @@ def run_checks(
     Raises:
         ValueError: ``connect_timeout`` is not a positive, finite number.
     """
-    number = isinstance(connect_timeout, int | float) and not isinstance(connect_timeout, bool)
-    if not (number and math.isfinite(connect_timeout) and connect_timeout > 0):
+    seconds = positive_seconds(connect_timeout)
+    if seconds is None:
         raise ValueError(f"connect_timeout must be a positive number, got {connect_timeout!r}")
+    connect_timeout = seconds
     env = os.environ if environ is None else environ
     try:
         launch: LaunchEnv | None = detect_launcher(env)

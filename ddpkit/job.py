@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._docs import see
+from ddpkit._numbers import as_int, is_real
 from ddpkit.launchers import LaunchEnv, MasterEndpoint, parse_port
 
 __all__ = [
@@ -173,8 +174,11 @@ def as_timeout(name: str, value: object) -> timedelta:
     """
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
+    elif is_real(value):
+        try:
+            seconds = float(value)  # type: ignore[arg-type]
+        except OverflowError:
+            raise ValueError(f"{name}={value!r} is too long a duration") from None
     else:
         raise ValueError(f"{name} must be a timedelta or a number of seconds, got {value!r}")
     if not (math.isfinite(seconds) and seconds > 0):
@@ -188,12 +192,9 @@ def as_timeout(name: str, value: object) -> timedelta:
     return duration
 
 
-def check_count(name: str, value: object, low: int) -> None:
-    """Refuse a count that is not an int (bools included) or is below ``low``, naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be at least {low}, got {value}")
+def check_count(name: str, value: object, low: int) -> int:
+    """``value`` as an int; refuse one that is not integral (bools included) or is below ``low``."""
+    return as_int(name, value, low)
 
 
 def resolve_job(
@@ -228,9 +229,10 @@ def resolve_job(
         raise ValueError(
             f"init_method must be a string such as 'tcp://host:port', got {init_method!r}"
         )
-    for name, value in (("world_size", world_size), ("rank", rank), ("local_rank", local_rank)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"{name} must be an int, got {value!r}")
+    world_size, rank, local_rank = (
+        None if value is None else as_int(name, value)
+        for name, value in (("world_size", world_size), ("rank", rank), ("local_rank", local_rank))
+    )
     if launch is not None:
         for name, given, found in (
             ("world_size", world_size, launch.world_size),

@@ -12,20 +12,22 @@ A process may also *stop* rather than fail (``spawn``: raise ``Preempted``
 or ``KeyboardInterrupt``, or die of a signal the parent forwarded). A stopping
 rank may be writing a checkpoint, so the others then get :data:`STOP_GRACE_S`,
 not the short failure settle; :func:`run_and_collect` leaves the verdict to the caller.
+
+A process that must end at once (``os._exit``: the hang watchdog) first leaves
+the parent its reason (``child.note_exit``); the parent repeats it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
-import sys
-import threading
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Collection, Sequence
@@ -35,18 +37,17 @@ from typing import Any, Literal, Protocol
 
 import torch.distributed as dist
 
+from ddpkit.child import die_with_parent, read_note, write_notes_to
+
 __all__ = [
     "STOP_GRACE_S",
     "Outcome",
     "RankFailedError",
     "Relay",
     "Stop",
-    "die_with_parent",
     "run_and_collect",
     "run_processes",
 ]
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 # How long a terminated child gets to exit before it is killed outright.
 _TERMINATE_GRACE_S = 2.0
@@ -77,12 +78,22 @@ class RankFailedError(RuntimeError):
             errors, listed in the message, are usually its consequence).
         remote_traceback: that process's formatted traceback (empty if it died
             without one, for example from a signal).
+        exitcode: that process's exit status when it exited without a report, else None.
+        note: what that process said (``child.note_exit``) before such an exit, else "".
     """
 
-    def __init__(self, message: str, rank: int, remote_traceback: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        rank: int,
+        remote_traceback: str = "",
+        exitcode: int | None = None,
+        note: str = "",
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
+        self.exitcode, self.note = exitcode, note
 
 
 @dataclass(frozen=True)
@@ -118,28 +129,6 @@ def _failure_report(index: int, message: str) -> _Report:
     return (index, "error", message, traceback.format_exc(), time.time())
 
 
-def die_with_parent(parent: int) -> None:
-    """End this process when its parent ends, even by SIGKILL; call it first thing in a child.
-
-    Linux: the kernel sends SIGKILL on the parent's death (``PR_SET_PDEATHSIG``).
-    Elsewhere: a daemon thread checks once a second. Either way a parent that
-    is already gone ends this process at once.
-    """
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    else:
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    if os.getppid() != parent:  # died before the request took effect
-        os._exit(1)
-
-
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
-
-
 def _child_entry(
     target: Callable[..., Any],
     index: int,
@@ -148,7 +137,9 @@ def _child_entry(
     parent: int,
     stop_types: tuple[type[BaseException], ...],
     sigmask: set[signal.Signals] | None,
+    notes: str,
 ) -> None:
+    write_notes_to(notes, index)
     if sigmask is not None:
         # A group of its own: a terminal's Ctrl-C reaches only the parent, which
         # forwards it. SIGINT was blocked from the fork until here (see _start).
@@ -249,13 +240,16 @@ def run_and_collect(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    notes = tempfile.mkdtemp(prefix="ddpkit-exit-notes-")
     processes: list[BaseProcess] = []
     outcome = None
     try:
-        processes = _start(ctx, target, nprocs, args, results, name, stop_types, own_process_groups)
+        processes = _start(
+            ctx, target, nprocs, args, results, name, stop_types, own_process_groups, notes
+        )
         if relay is not None:
             relay.watch(processes)
-        labels = _Labels(first_rank, world_size if world_size is not None else nprocs)
+        labels = _Labels(first_rank, world_size if world_size is not None else nprocs, notes)
         outcome = _collect(
             processes, results, timeout, timeout_hint, labels, stop_exit_codes, relay, error
         )
@@ -264,6 +258,7 @@ def run_and_collect(
         _stop(processes, kill=outcome is None or outcome.values is None)
         results.close()
         results.join_thread()
+        shutil.rmtree(notes, ignore_errors=True)
     return outcome
 
 
@@ -276,6 +271,7 @@ def _start(
     name: str,
     stop_types: tuple[type[BaseException], ...],
     own_process_groups: bool,
+    notes: str,
 ) -> list[BaseProcess]:
     blocking = own_process_groups and hasattr(signal, "pthread_sigmask")
     # Until a child has left our process group, a Ctrl-C at the terminal would hit
@@ -287,7 +283,7 @@ def _start(
             # Not daemonic: the children may start DataLoader workers of their own.
             p = ctx.Process(
                 target=_child_entry,
-                args=(target, index, tuple(args), results, os.getpid(), stop_types, mask),
+                args=(target, index, tuple(args), results, os.getpid(), stop_types, mask, notes),
                 name=f"{name}{index}",
             )
             processes.append(p)
@@ -320,6 +316,8 @@ class _Failure:
     message: str
     remote_traceback: str
     at: float  # wall-clock time of the failure, comparable across processes
+    exitcode: int | None = None  # exited without a report: its status ...
+    note: str = ""  # ... and what it said before (note_exit)
 
     @property
     def is_consequence(self) -> bool:
@@ -393,13 +391,13 @@ def _collect(
                 if code in stop_exit_codes or -code in forwarded:
                     stops[rank] = Stop(labels.first + rank, None, code)
                     continue
-                failures[rank] = _Failure(
-                    rank,
-                    f"exited with code {code} without returning or raising "
-                    "(killed by a signal, os._exit, or a crash in native code)",
-                    "",
-                    first_seen,
+                note = read_note(labels.notes, rank)
+                why = note or (
+                    "without returning or raising "
+                    "(killed by a signal, os._exit, or a crash in native code)"
                 )
+                message = f"exited with code {code}{':' if note else ''} {why}"
+                failures[rank] = _Failure(rank, message, "", first_seen, code, note)
             if (failures or stops) and first_end is None:
                 first_end = time.monotonic()
             continue
@@ -426,6 +424,7 @@ class _Labels:
 
     first: int
     world_size: int
+    notes: str = ""  # the directory of the processes' exit notes
 
 
 def _failure_error(
@@ -443,7 +442,7 @@ def _failure_error(
         message += f"\n(then also failed: {also})"
     if cause.remote_traceback:
         message += f"\n\n--- traceback from rank {rank} ---\n{cause.remote_traceback}"
-    return error(message, rank, cause.remote_traceback)
+    return error(message, rank, cause.remote_traceback, cause.exitcode, cause.note)
 
 
 def _ranks(ranks: Sequence[int]) -> str:

@@ -60,13 +60,7 @@ def open_store(plan: JobPlan, rendezvous_timeout: timedelta) -> dist.Store:
     """
     if plan.scheme == "file":
         assert plan.file_path is not None
-        directory = os.path.dirname(plan.file_path) or "."
-        if not os.path.isdir(directory):
-            raise RendezvousError(
-                f"{plan.url}: directory {directory!r} does not exist on rank {plan.rank}. "
-                "file:// rendezvous needs a path on a filesystem every node shares "
-                "(NFS, Lustre), or use tcp://. " + see("the-store-cannot-be-opened")
-            )
+        _check_store_file(plan, plan.file_path)
         store: dist.Store = dist.FileStore(plan.file_path, plan.world_size)
         store.set_timeout(rendezvous_timeout)
         return store
@@ -88,6 +82,25 @@ def open_store(plan: JobPlan, rendezvous_timeout: timedelta) -> dist.Store:
     finally:
         calls.close()
     return tcp_store
+
+
+def _check_store_file(plan: JobPlan, path: str) -> None:
+    """Refuse a file:// path that c10d's FileStore cannot create or open, naming it."""
+    directory = os.path.dirname(path.rstrip("/")) or "/"
+    problem = ""
+    if path.endswith("/") or os.path.isdir(path):
+        problem = f"{path!r} is a directory; name a file in it, e.g. file://{path.rstrip('/')}/rdzv"
+    elif not os.path.isdir(directory):
+        problem = f"directory {directory!r} does not exist on rank {plan.rank}"
+    elif not os.access(path if os.path.exists(path) else directory, os.R_OK | os.W_OK):
+        where = path if os.path.exists(path) else f"directory {directory!r}"
+        problem = f"{where} is not writable by this user on rank {plan.rank}"
+    if problem:
+        raise RendezvousError(
+            f"{plan.url}: {problem}. file:// rendezvous needs a file path, new or left by no "
+            "other job, in a writable directory on a filesystem every node shares (NFS, "
+            "Lustre), or use tcp://. " + see("the-store-cannot-be-opened")
+        )
 
 
 def _silent_store_error(plan: JobPlan, seconds: float) -> RendezvousError:

@@ -29,7 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit.control import PREEMPTED_EXIT_CODE, Preempted
+from ddpkit.control import (
+    HANG_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    HangStopped,
+    Preempted,
+    SignalStopped,
+)
 from ddpkit.devices import resolve_backend
 from ddpkit.dist import join_job
 from ddpkit.job import DistInfo, JobPlan, as_timeout, check_count, resolve_job
@@ -142,10 +148,10 @@ def spawn(
                 "spawn(nprocs=None) starts one process per GPU, and no GPU is visible: "
                 "pass nprocs=N to run N CPU processes with Gloo"
             )
-    check_count("nprocs", nprocs, 1)
-    check_count("nnodes", nnodes, 1)
-    check_count("node_rank", node_rank, 0)
-    check_count("max_restarts", max_restarts, 0)
+    nprocs = check_count("nprocs", nprocs, 1)
+    nnodes = check_count("nnodes", nnodes, 1)
+    node_rank = check_count("node_rank", node_rank, 0)
+    max_restarts = check_count("max_restarts", max_restarts, 0)
     if node_rank >= nnodes:
         raise ValueError(f"node_rank={node_rank} must be in 0..{nnodes - 1} for nnodes={nnodes}")
     if nnodes > 1 and init_method is None:
@@ -189,7 +195,7 @@ def spawn(
             if failure is None:
                 raise _stop_exception(outcome.stops, relay.forwarded())
             if outcome.stops or relay.forwarded() or restart == max_restarts:
-                raise _noted(failure, restart, max_restarts)
+                raise _final(failure, restart, max_restarts)
             logger.warning(
                 "%s; restarting all %d processes (restart %d of %d)",
                 str(failure).splitlines()[0],
@@ -240,8 +246,19 @@ def _stop_exception(stops: Sequence[Stop], forwarded: Sequence[int]) -> BaseExce
         return next((e for e in preempted if e.checkpoint), preempted[0])
     killed = [-s.exitcode for s in stops if s.exitcode is not None and s.exitcode < 0]
     if killed or forwarded:
-        return Preempted(signal.Signals((killed or forwarded)[0]).name)
+        # The signal ended them without a word: they were not in fit (or not listening).
+        stopped = SignalStopped((killed or forwarded)[0])
+        logger.error("spawn: the processes were %s", stopped)
+        return stopped
     return Preempted(f"exit status {PREEMPTED_EXIT_CODE} of rank {stops[0].rank}")
+
+
+def _final(failure: RankFailedError, restarts: int, max_restarts: int) -> BaseException:
+    """What the parent raises for the failure that ends the job: a hang's finding, or it."""
+    if failure.exitcode == HANG_EXIT_CODE and failure.note:
+        logger.error("spawn: %s", failure.note)  # the status alone would say nothing
+        return HangStopped(failure.note)
+    return _noted(failure, restarts, max_restarts)
 
 
 def _noted(failure: RankFailedError, restarts: int, max_restarts: int) -> RankFailedError:
@@ -251,7 +268,11 @@ def _noted(failure: RankFailedError, restarts: int, max_restarts: int) -> RankFa
     head, _, rest = str(failure).partition("\n")
     note = f"(after {restarts} restart{'s' * (restarts != 1)}, max_restarts={max_restarts})"
     return RankFailedError(
-        f"{head}\n{note}\n{rest}".rstrip(), failure.rank, failure.remote_traceback
+        f"{head}\n{note}\n{rest}".rstrip(),
+        failure.rank,
+        failure.remote_traceback,
+        failure.exitcode,
+        failure.note,
     )
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -123,11 +123,44 @@ class Run:
     per_step: bool = False  # the scheduler steps after each optimizer step
     # The training set's size and index digest, recorded in step checkpoints.
     data: tuple[int | None, str | None] = (None, None)
+    started: set[int] = field(default_factory=set)  # loaders whose persistent workers run
 
     def tick(self, phase: str) -> None:
         """Tell the hang watchdog where this rank is."""
         if self.watchdog is not None:
             self.watchdog.progress(self.step, phase)
+
+    def watched(
+        self, loader: Any, batches: Iterable[Any], waiting: str, busy: str
+    ) -> Iterator[Any]:
+        """``batches`` (of ``loader``), telling the watchdog when this rank waits for them.
+
+        ``waiting`` before each batch, ``busy`` once it is here. A ``DataLoader``
+        starts its workers in ``iter()``, and batch ``k`` comes from worker ``k``:
+        until one batch came from each worker (each imported, ran its
+        ``worker_init_fn``, fetched), the phase is ``"start_" + waiting``; after
+        the last batch of workers that are not persistent, while the iterator
+        joins them, ``"end_" + waiting``. The watchdog times neither.
+        """
+        starting = self._starts_workers(loader)
+        ending = _ending_workers(loader)
+        self.tick(f"start_{waiting}" if starting else waiting)
+        for count, batch in enumerate(batches, 1):
+            self.tick(busy)
+            yield batch
+            phase = "start_" if count < starting else "end_" if count == ending else ""
+            self.tick(phase + waiting)
+        self.tick(busy)  # what follows the last batch (the totals' all-reduce) is the work
+
+    def _starts_workers(self, loader: Any) -> int:
+        """How many workers iterating ``loader`` starts (persistent ones start once)."""
+        if not isinstance(loader, DataLoader) or loader.num_workers == 0:
+            return 0
+        if loader.persistent_workers:
+            if id(loader) in self.started:
+                return 0
+            self.started.add(id(loader))
+        return loader.num_workers
 
     def update(
         self, images: torch.Tensor, targets: torch.Tensor, update: bool, count: int
@@ -193,16 +226,16 @@ def train_epoch(
 
     i, k = part.done - 1, 0
     rate = run.optimizer.param_groups[0]["lr"]
-    batches = iter(part.batches)
+    # The rest of a resumed epoch may come from a loader of its own, with its own workers.
+    source = part.batches if isinstance(part.batches, DataLoader) else loader
+    batches = run.watched(source, part.batches, "data", "compute")
     while True:
-        run.tick("data")
         asked = time.perf_counter()
         try:
             images, targets = next(batches)
         except StopIteration:
             break
         waited += time.perf_counter() - asked
-        run.tick("compute")
         i += 1
         images, targets = to_device(images, targets, dev, config.normalize)
         if config.channels_last and images.dim() == 4:
@@ -307,6 +340,16 @@ def resume_start(
     if scheduler is not None and not getattr(scheduler, "per_step", False):
         scheduler.step()  # as the skipped epoch's end would have
     return Position(start.epoch + 1, 0, 0, start.step, world)
+
+
+def _ending_workers(loader: Any) -> int | None:
+    """After which batch a ``DataLoader``'s iterator stops its workers; None: never, or unknown."""
+    if not isinstance(loader, DataLoader) or loader.num_workers == 0 or loader.persistent_workers:
+        return None
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without a length
+        return None
 
 
 def _group_size(index: int, total: int | None, accum: int) -> int:

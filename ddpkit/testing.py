@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
+from ddpkit._numbers import as_int, positive_seconds
 from ddpkit.processes import RankFailedError, run_processes
 
 __all__ = ["DistributedTestError", "run_distributed"]
@@ -140,12 +141,13 @@ def run_distributed(
             not finished.
         ValueError: ``world_size``, ``init`` or ``timeout`` is invalid.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    world_size = as_int("world_size", world_size, 1)
     if init not in ("file", "tcp", None):
         raise ValueError(f"init must be 'file', 'tcp' or None, got {init!r}")
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    seconds = positive_seconds(timeout)
+    if seconds is None:
+        raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+    timeout = seconds
 
     tmpdir = tempfile.mkdtemp(prefix="ddpkit-test-")
     store: dist.TCPStore | None = None

@@ -18,13 +18,12 @@ import dataclasses
 import datetime
 import functools
 import logging
-import math
 import os
 import secrets
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit import comm
+from ddpkit._numbers import positive_seconds
 from ddpkit.checkpoint import CheckpointManager
 from ddpkit.control import StepControl
 from ddpkit.data.resume import data_identity
@@ -97,9 +97,13 @@ class FaultConfig:
     def __post_init__(self) -> None:
         StepControl(signals=self.stop_signals)  # names checked here, installed by fit
         timeout = self.hang_timeout
-        if timeout is not None and not (type(timeout) in (int, float) and 0 < timeout < math.inf):
-            raise ValueError(f"hang_timeout must be a positive number of seconds or None, "
-                             f"got {timeout!r}")  # fmt: skip
+        if timeout is not None:
+            seconds = positive_seconds(timeout)
+            if seconds is None:
+                raise ValueError(
+                    f"hang_timeout must be a positive number of seconds or None, got {timeout!r}"
+                )
+            object.__setattr__(self, "hang_timeout", seconds)  # frozen: a plain float from here
         if self.on_data_change not in ("error", "next_epoch"):
             raise ValueError(
                 f"on_data_change must be 'error' or 'next_epoch', got {self.on_data_change!r}"
@@ -294,9 +298,10 @@ def _finish_epoch(
     if val_loader is not None:
         measure = functools.partial(evaluate, criterion=run.criterion, normalize=config.normalize,
                                     amp=config.amp, device=run.device)  # fmt: skip
-        record.update(_val_record(measure(run.model, _ticking(val_loader, run)), val_loader))
+        watched = functools.partial(run.watched, val_loader, val_loader, "val_data", "validate")
+        record.update(_val_record(measure(run.model, watched()), val_loader))
         if run.ema is not None:
-            averaged = measure(run.ema.module, _ticking(val_loader, run))
+            averaged = measure(run.ema.module, watched())
             record.update({f"val_ema_{k}": averaged[k] for k in ("acc1", "acc5", "loss")})
     if run.scheduler is not None and not run.per_step:
         run.scheduler.step()
@@ -329,13 +334,6 @@ def _val_record(val: dict[str, Any], loader: Iterable[Any]) -> dict[str, Any]:
     if worst is not None and isinstance(classes, Sequence) and worst < len(classes):
         val["worst_class"] = str(classes[worst])
     return {f"val_{k}": v for k, v in val.items()}
-
-
-def _ticking(loader: Iterable[Any], run: Run) -> Iterator[Any]:
-    """``loader``'s batches, each one a sign of life for the hang watchdog."""
-    for batch in loader:
-        run.tick("validate")
-        yield batch
 
 
 def _carried(loop: Any, start: Position | None, world: int, rank: int) -> Any:

@@ -30,11 +30,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpkit._numbers import positive_seconds
+from ddpkit.child import note_exit
 from ddpkit.comm import get_rank, get_world_size, is_dist_initialized
 from ddpkit.control import HANG_EXIT_CODE
 from ddpkit.deadline import BoundedCalls, DeadlinePassed
 
-__all__ = ["HangWatchdog", "format_stacks"]
+__all__ = ["UNTIMED_PHASES", "HangWatchdog", "format_stacks"]
 
 logger = logging.getLogger("ddpkit")
 _monotonic = time.monotonic
@@ -44,12 +46,22 @@ _monotonic = time.monotonic
 _PHASES = {
     "start": "before its first progress report",
     "done": "between steps",
+    "start_val_data": "starting workers for validation data",
+    "val_data": "waiting for validation data",
+    "end_val_data": "stopping the workers of validation data",
     "validate": "in validation",
     "save": "saving a checkpoint",
-    "data": "waiting for data",
+    "start_data": "starting workers for training data",
+    "data": "waiting for training data",
+    "end_data": "stopping the workers of training data",
     "compute": "in compute",
 }
 _ORDER = {name: i for i, name in enumerate(_PHASES)}
+# Never timed: a loader starting its workers (importing torch in each, a spawn or
+# forkserver start, the user's worker_init_fn) or joining them (DataLoader bounds
+# that) takes as long as it takes. While any rank is in one, the others (which soon
+# wait for it in a collective) are not timed either.
+UNTIMED_PHASES = frozenset({"start", "start_data", "start_val_data", "end_data", "end_val_data"})
 # The budget, with T = timeout, I = interval <= 5 s, C = _CALL_S and ticks I + C apart:
 # rank 0 decides by T + 2(I + C) = T + 14, the ranks are out by T + 26, rank 0 (which
 # waits for them) by T + 28; a rank on its own (T + 2I + 5 silence) is out by T + 27.
@@ -79,7 +91,10 @@ class HangWatchdog:
     """Exit the job, naming the rank that stopped, once a rank makes no progress for ``timeout``.
 
     It arms at the first ``"done"``: a slow first step (compilation, autotune,
-    worker start) never trips it. Rank 0 decides by ``timeout + 2 * (interval
+    worker start) never trips it. Phases in :data:`UNTIMED_PHASES` (a loader
+    starting its workers, train or validation, any epoch) are never timed:
+    while any rank is in one, no rank's clock runs, and each rank's starts
+    again when it is over. Rank 0 decides by ``timeout + 2 * (interval
     + 2)`` s after the stall; every rank then logs its stacks and calls
     ``os._exit(124)``. A rank that cannot reach the store exits by itself after
     ``timeout`` s without progress, one that hears nothing from rank 0 after
@@ -121,18 +136,21 @@ class HangWatchdog:
         world_size: int | None = None,
         _exit: Callable[[int], object] = os._exit,
     ) -> None:
-        if not _seconds(timeout):
+        seconds = positive_seconds(timeout)
+        if seconds is None:
             raise ValueError(f"timeout must be positive finite seconds, got {timeout!r}")
-        most = min(timeout / 2, _MAX_INTERVAL_S)
-        interval = min(timeout / 4, _MAX_INTERVAL_S) if interval is None else interval
-        if not _seconds(interval) or interval > most:
+        most = min(seconds / 2, _MAX_INTERVAL_S)
+        every = (
+            min(seconds / 4, _MAX_INTERVAL_S) if interval is None else positive_seconds(interval)
+        )
+        if every is None or every > most:
             raise ValueError(
                 f"interval must be positive seconds, at most timeout / 2 and {_MAX_INTERVAL_S:g} "
                 f"(here {most:g}), got {interval!r}; leave it out for the default"
             )
         if store is not None and not is_dist_initialized() and None in (rank, world_size):
             raise ValueError("store= needs rank= and world_size= when there is no process group")
-        self.timeout, self.interval = float(timeout), float(interval)
+        self.timeout, self.interval = seconds, every
         self._prefix, self._exit = prefix, _exit
         self._base, self._rank, self._world = store, rank, world_size
         self._last: tuple[int, str, float] = (0, "start", _monotonic())
@@ -142,14 +160,22 @@ class HangWatchdog:
         self._stamps: dict[int, float] = {}  # rank 0: each rank's last progress stamp ...
         self._since: dict[int, float] = {}  # ... and when, on rank 0's clock, it was made
         self._heard: list[int] = []  # rank 0: the other ranks that sent heartbeats
+        # When some rank was last seen in an untimed phase, on this rank's clock: rank 0
+        # sees the heartbeats, the others a count of the heartbeats rank 0 held.
+        self._held_at = -math.inf
+        self._holds = 0
 
     def progress(self, step: int, phase: str) -> None:
         """Record that this rank reached ``phase`` of ``step``; cheap enough for every batch.
 
         Args:
             step: the optimizer step, counted over the run.
-            phase: ``"data"`` (waiting for the batch), ``"compute"``, ``"done"``
-                (with the next step: one finished), ``"validate"`` or ``"save"``.
+            phase: ``"data"`` (waiting for the training batch), ``"compute"``,
+                ``"done"`` (with the next step: one finished), ``"val_data"``
+                (waiting for a validation batch), ``"validate"``, ``"save"``, or
+                ``"start_data"`` / ``"start_val_data"`` (a loader starting its
+                workers) or ``"end_data"`` / ``"end_val_data"`` (stopping them):
+                untimed.
 
         Example:
             >>> watchdog.progress(step + 1, "done")
@@ -201,7 +227,6 @@ class HangWatchdog:
         while not self._stop.wait(wait):
             wait = self.interval
             step, phase, stamp = self._last
-            idle = _monotonic() - stamp
             if calls is not None and not lost:
                 calls.deadline = _monotonic() + _CALL_S
                 try:
@@ -214,8 +239,10 @@ class HangWatchdog:
                     lost = f"{type(exc).__name__}: {(str(exc) or repr(exc)).splitlines()[0]}"
                 if lost:
                     logger.warning("hang watchdog: rank %s lost the store (%s)", self._rank, lost)
+            # A rank waiting for another that starts its workers: its clock is held too.
+            idle = _monotonic() - max(stamp, self._held_at if not lost else -math.inf)
             limit = self.timeout if calls is None or lost else self.timeout + 2 * wait + 5
-            if self._armed and idle > limit:
+            if self._armed and phase not in UNTIMED_PHASES and idle > limit:
                 self._finish(self._alone(idle, _where(step, phase), calls is not None, lost, limit))
                 return
         if calls is not None:
@@ -246,13 +273,18 @@ class HangWatchdog:
         self, store: Any, calls: BoundedCalls, step: int, phase: str, stamp: float
     ) -> bool:
         """Publish the heartbeat; obey rank 0's verdict or, on rank 0, make it. True: exited."""
-        beat = {"step": step, "phase": phase, "stamp": stamp, "armed": self._armed}
+        armed = self._armed and phase not in UNTIMED_PHASES
+        beat = {"step": step, "phase": phase, "stamp": stamp, "armed": armed}
         calls(store.set, f"hb/{self._rank}", json.dumps({**beat, "idle": _monotonic() - stamp}))
         if calls(store.check, ["hang"]):
             verdict = calls(store.get, "hang").decode().removeprefix("hang watchdog: ")
             here = f"rank {self._rank} stops {_where(step, phase)}"
             self._finish(f"hang watchdog: {here}, on rank 0's verdict: {verdict}", store, calls)
             return True
+        if self._rank != 0:
+            holds = int(calls(store.add, "held", 0))
+            if holds != self._holds:
+                self._holds, self._held_at = holds, _monotonic()
         verdict = self._judge(store, calls) if self._rank == 0 else None
         if verdict is not None:
             calls(store.set, "hang", verdict)
@@ -279,7 +311,13 @@ class HangWatchdog:
                 self._stamps[r], self._since[r] = beat["stamp"], since
             self._since[r] = min(self._since[r], since)
         self._heard = [r for r in beats if r != 0]
-        stale = max((now - self._since[r] for r, b in beats.items() if b["armed"]), default=0.0)
+        if any(b["phase"] in UNTIMED_PHASES for b in beats.values()):
+            self._held_at = now
+            calls(store.add, "held", 1)  # the other ranks hold their own clocks too
+        stale = max(
+            (now - max(self._since[r], self._held_at) for r, b in beats.items() if b["armed"]),
+            default=0.0,
+        )
         return _verdict(beats, self._world, stale, self.timeout) if stale > self.timeout else None
 
     def _finish(self, message: str, store: Any = None, calls: BoundedCalls | None = None) -> None:
@@ -305,6 +343,7 @@ class HangWatchdog:
         ending = threading.Event()
         hold = functools.partial(_hold_exit, ending, _DUMP_S + grace + 1.0, self._exit)
         atexit.register(hold)
+        note_exit(message)  # a launcher from ddpkit (spawn) repeats it
         logger.error("%s", message)
         logger.error("hang watchdog: stacks of rank %d, all threads:\n%s", rank, format_stacks())
         with contextlib.suppress(Exception):  # a second channel, straight to descriptor 2
@@ -371,9 +410,3 @@ def _where(step: int, phase: str) -> str:
 def _ranks(ranks: list[int]) -> str:
     shown = ", ".join(map(str, ranks[:16]))
     return shown if len(ranks) <= 16 else f"{shown}, ... ({len(ranks)} in all)"
-
-
-def _seconds(value: object) -> bool:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    return math.isfinite(value) and value > 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 
@@ -100,5 +101,28 @@ def wait_for_a_signal(info: ddpkit.DistInfo) -> None:
 def ignore_sigint(info: ddpkit.DistInfo) -> None:
     """Print ``sigint <rank>`` for each SIGINT and go on, as a job that cannot stop early."""
     signal.signal(signal.SIGINT, lambda signum, frame: _say(f"sigint {info.rank}"))
+    _say(f"ready {info.rank} {os.getpid()}")
+    _wait_in_steps(threading.Event())
+
+
+def stall_rank_one(info: ddpkit.DistInfo) -> None:
+    """Rank 1 stops stepping (its data never comes); rank 0 goes on until the watchdog ends both."""
+    from ddpkit.watchdog import HangWatchdog
+
+    watchdog = HangWatchdog(timeout=1.5).start()
+    watchdog.progress(1, "done")
+    step = 1
+    while True:
+        watchdog.progress(step, "data")
+        if info.rank == 1 and step == 3:
+            threading.Event().wait()  # the file system never answers
+        watchdog.progress(step, "compute")
+        time.sleep(0.05)
+        step += 1
+        watchdog.progress(step, "done")
+
+
+def wait_before_fit(info: ddpkit.DistInfo) -> None:
+    """Prints ``ready <rank> <pid>`` and waits, as a job still loading its data: no handlers."""
     _say(f"ready {info.rank} {os.getpid()}")
     _wait_in_steps(threading.Event())

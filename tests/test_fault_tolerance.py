@@ -197,7 +197,7 @@ def test_a_rank_whose_data_stalls_is_named_with_its_stack_and_the_job_exits_124(
     # Start-up and 8 steps take seconds; the watchdog adds at most its timeout + 30 s.
     assert time.monotonic() - started < 60 + timeout + 30
     rank0 = Path(f"{log}.0").read_text()
-    assert "rank(s) 1 stopped at step 8 (waiting for data)" in rank0, rank0[-3000:]
+    assert "rank(s) 1 stopped at step 8 (waiting for training data)" in rank0, rank0[-3000:]
     stalled = Path(f"{log}.1").read_text()
     assert "stacks of rank 1, all threads:" in stalled, stalled[-3000:]
     dump = stalled.split("stacks of rank 1, all threads:", 1)[1]

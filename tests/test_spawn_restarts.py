@@ -18,7 +18,7 @@ import pytest
 from restart_jobs import always_die, die_on_first_attempt, preempt_every_rank, preempt_rank_one
 
 import ddpkit
-from ddpkit.control import PREEMPTED_EXIT_CODE, Preempted
+from ddpkit.control import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE, HangStopped, Preempted
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -238,4 +238,50 @@ def test_a_second_ctrl_c_kills_the_children(tmp_path: Path) -> None:
         stderr = err.read()
     assert status != 0
     assert "KeyboardInterrupt" in stderr
+    assert [pid for pid in pids if _alive(pid)] == []
+
+
+@pytest.mark.timeout(150)
+def test_a_watchdog_stop_exits_124_with_the_watchdogs_finding(tmp_path: Path) -> None:
+    with (tmp_path / "stderr").open("w+") as err:
+        parent = _start_parent("stall_rank_one", err)
+        with _cleanup(parent, []):
+            status = parent.wait(timeout=120)
+        err.seek(0)
+        stderr = err.read()
+    assert status == HANG_EXIT_CODE, stderr[-3000:]
+    # The parent repeats the finding, which names rank 1: not "rank 0 failed".
+    assert "spawn: hang watchdog: " in stderr, stderr[-3000:]
+    assert "rank(s) 1 stopped at step 3 (waiting for training data)" in stderr
+    assert "RankFailedError" not in stderr
+
+
+def test_a_hang_stop_is_raised_as_such_in_the_parent() -> None:
+    from ddpkit.processes import RankFailedError
+    from ddpkit.spawning import _final
+
+    finding = "hang watchdog: rank 1 stops at step 3 (waiting for training data)"
+    hang = _final(RankFailedError("rank 0 of 2 failed", 0, "", HANG_EXIT_CODE, finding), 0, 0)
+    assert isinstance(hang, HangStopped)
+    assert (hang.code, str(hang)) == (HANG_EXIT_CODE, finding)
+    other = RankFailedError("rank 0 of 2 failed", 0, "", HANG_EXIT_CODE, "")
+    assert _final(other, 0, 0) is other  # a status 124 without the watchdog's word: a failure
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.timeout(150)
+def test_sigterm_before_training_exits_143_and_says_nothing_was_saved(tmp_path: Path) -> None:
+    pids: list[int] = []
+    with (tmp_path / "stderr").open("w+") as err:
+        parent = _start_parent("wait_before_fit", err)
+        with _cleanup(parent, pids):
+            pids += [int(pid) for _, _, pid in _wait_for(parent, err, "ready", 2)]
+            os.kill(parent.pid, signal.SIGTERM)
+            status = parent.wait(timeout=90)
+        err.seek(0)
+        stderr = err.read()
+    # 75 promises interrupted.pth; here nothing was written: 128 + SIGTERM, as a shell says.
+    assert status == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "stopped by SIGTERM before training began" in stderr
+    assert "nothing was saved" in stderr
     assert [pid for pid in pids if _alive(pid)] == []

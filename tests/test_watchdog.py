@@ -19,8 +19,11 @@ import torch.distributed as dist
 
 import ddpkit.watchdog as watchdog_module
 from ddpkit.control import HANG_EXIT_CODE
+from ddpkit.processes import RankFailedError
 from ddpkit.rendezvous import free_port
+from ddpkit.testing import run_distributed
 from ddpkit.watchdog import HangWatchdog, format_stacks
+from tests.train_jobs import slow_workers_run
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "watchdog_jobs.py"
@@ -107,12 +110,12 @@ def test_rank_stalled_in_data_is_named_and_every_rank_exits_124(tmp_path: Path) 
     for r in ranks:
         _assert_exits_in_time(r, timeout, stalled=ranks[1].stalled)  # when the job stalled
     verdict = (
-        f"rank(s) 1 stopped at step {STALL_STEP} (waiting for data); the others wait for them: "
-        f"rank(s) 0, 2 at step {STALL_STEP} (in compute)"
+        f"rank(s) 1 stopped at step {STALL_STEP} (waiting for training data); the others wait "
+        f"for them: rank(s) 0, 2 at step {STALL_STEP} (in compute)"
     )
     assert verdict in ranks[0].log
     assert "ERROR ddpkit: hang watchdog: no progress for" in ranks[0].log
-    for rank, phase in ((1, "waiting for data"), (2, "in compute")):
+    for rank, phase in ((1, "waiting for training data"), (2, "in compute")):
         obeyed = f"rank {rank} stops at step {STALL_STEP} ({phase}), on rank 0's verdict: "
         assert obeyed in ranks[rank].log
         assert verdict in ranks[rank].log
@@ -179,7 +182,7 @@ def test_single_process_without_a_group_exits_124_with_its_stack(tmp_path: Path)
     (alone,) = _run_job(tmp_path, "alone", 1, timeout)
     assert alone.code == HANG_EXIT_CODE, alone.log
     _assert_exits_in_time(alone, timeout)
-    assert f"(timeout {timeout:g} s) at step 1 (waiting for data)" in alone.log
+    assert f"(timeout {timeout:g} s) at step 1 (waiting for training data)" in alone.log
     stack = _main_thread_stack(alone.log, 0)
     assert re.search(r"line \d+, in stuck_alone\n", stack), stack
 
@@ -327,3 +330,25 @@ def test_module_states_its_concern_first() -> None:
     first = (watchdog_module.__doc__ or "").splitlines()[0]
     assert first.startswith("The hang watchdog:")
     assert first.endswith(".")
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers-per-epoch", "persistent"])
+def test_loaders_starting_workers_slower_than_the_timeout_are_never_timed(
+    persistent: bool,
+) -> None:
+    # Each spawn worker takes 2 timeouts to start, after importing torch: at the first
+    # step, at each validation (and, without persistent workers, each later epoch).
+    plan = {"hang_timeout": 1.5, "delay": 3.0, "persistent": persistent, "epochs": 2}
+    results = run_distributed(slow_workers_run, 2, args=(plan,), timeout=450)
+    assert [r["epochs"] for r in results] == [[1, 2], [1, 2]]
+
+
+@pytest.mark.timeout(500)
+def test_a_rank_whose_validation_data_hangs_is_still_caught_and_named() -> None:
+    plan = {"hang_timeout": 1.5, "delay": 0.0, "persistent": False, "epochs": 1, "hang_val": 1}
+    with pytest.raises(RankFailedError, match=f"exited with code {HANG_EXIT_CODE}") as caught:
+        run_distributed(slow_workers_run, 2, args=(plan,), timeout=450)
+    # Each rank's last word (its exit note) holds rank 0's verdict, which names rank 1.
+    verdict = "rank(s) 1 stopped at step 2 (waiting for validation data); the others wait "
+    assert verdict + "for them: rank(s) 0 at step 2 (in validation)" in str(caught.value)

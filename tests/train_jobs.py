@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
+import threading
+import time
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from ddpkit import (
     CheckpointManager,
     DistInfo,
+    FaultConfig,
     ReportConfig,
     TrainConfig,
     build_loader,
@@ -96,3 +101,73 @@ def train_run(
         report=ReportConfig(progress=False),
     )
     return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+class SlowStart(Dataset[tuple[torch.Tensor, int]]):
+    """NoisyBlobs whose every worker takes ``delay`` s to start, and which can hang for good.
+
+    A ``spawn`` worker unpickles its dataset first thing: ``__setstate__`` stands
+    for a slow import, a network mount or a ``worker_init_fn``. In the worker
+    ``hang_worker``, reads after its first batch (``hang_after`` reads) never
+    return (a stuck file system): every worker started before the hang.
+    """
+
+    def __init__(
+        self, delay: float, n: int = 48, hang_worker: int | None = None, hang_after: int = 4
+    ) -> None:
+        self.inner, self.delay, self.hang_worker = NoisyBlobs(n), delay, hang_worker
+        self.hang_after, self.reads = hang_after, 0
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        time.sleep(state["delay"])  # type: ignore[arg-type]
+        self.__dict__.update(state)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        worker = get_worker_info()
+        self.reads += 1
+        if worker is not None and worker.id == self.hang_worker and self.reads > self.hang_after:
+            threading.Event().wait()
+        return self.inner[index]
+
+
+def slow_workers_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
+    """fit() with the hang watchdog on, train and validation workers that start slowly.
+
+    ``plan``: ``hang_timeout``, ``delay`` (each worker's start, s), ``persistent``,
+    ``epochs``, ``hang_val`` (a rank whose validation data hangs after its first batch).
+    """
+    faulthandler.dump_traceback_later(420, exit=True)  # below the test's limit
+    torch.manual_seed(1234)
+    info = DistInfo(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", True)
+    model = wrap_ddp(small_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    delay, persistent = plan["delay"], plan["persistent"]
+    hang = 1 if plan.get("hang_val") == rank else None  # the worker of batches 2, 4, ...
+    loaders = [
+        build_loader(
+            SlowStart(delay, n, hang if not train else None, hang_after=4),
+            batch_size=4,
+            train=train,
+            workers=2,
+            seed=5,
+            info=info,
+            persistent_workers=persistent,
+            multiprocessing_context="spawn",
+        )
+        for n, train in ((16, True), (32, False))
+    ]
+    history = fit(
+        model,
+        loaders[0],
+        optimizer,
+        criterion=nn.CrossEntropyLoss(),
+        epochs=plan["epochs"],
+        val_loader=loaders[1],
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(progress=False),
+        faults=FaultConfig(hang_timeout=plan["hang_timeout"]),
+    )
+    return {"epochs": [r["epoch"] for r in history.records]}

@@ -14,8 +14,10 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -377,3 +379,116 @@ def test_a_host_name_that_resolves_to_loopback_is_warned_about() -> None:
     assert not _loopback_route("localhost", "lo", interfaces)
     assert not _loopback_route("127.0.0.1", "lo", interfaces)
     assert not _loopback_route("gpu-node-1", "eth0", interfaces)
+
+
+# --- file:// paths that c10d's FileStore cannot use, refused with the path and the fix ----
+
+
+def _unwritable(tmp_path: Path) -> str:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    return f"file://{locked}/rdzv"
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda d: f"file://{d}/", "is a directory; name a file in it"),
+        (lambda d: f"file://{d}", "is a directory; name a file in it"),
+        (lambda d: f"file://{d}/missing/rdzv", "does not exist on rank 0"),
+        pytest.param(
+            _unwritable,
+            "is not writable by this user",
+            marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere"),
+        ),
+    ],
+    ids=["dir-slash", "dir", "missing-parent", "unwritable"],
+)
+def test_a_file_url_the_store_cannot_use_is_named_with_the_fix(
+    tmp_path: Path, make: object, match: str
+) -> None:
+    url = make(tmp_path)  # type: ignore[operator]
+    with pytest.raises(RendezvousError, match=match) as info:
+        init_distributed(url, world_size=1, rank=0, network=None)
+    assert url in str(info.value)
+    assert "troubleshooting.md#the-store-cannot-be-opened" in str(info.value)
+
+
+def test_an_empty_file_url_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs a path"):
+        init_distributed("file://", world_size=1, rank=0)
+
+
+# --- every real number is a number: NumPy's scalars, Fraction; never a bool -----------------
+
+_REALS = [np.int64(5), np.float32(5.0), np.float64(5.0), Fraction(11, 2), 5]
+
+
+@pytest.mark.parametrize("value", _REALS, ids=repr)
+def test_any_real_number_is_a_timeout(value: object) -> None:
+    from ddpkit.job import as_timeout
+
+    for name in ("timeout", "rendezvous_timeout"):
+        info = init_distributed(**{name: value})  # type: ignore[arg-type]
+        assert not info.is_distributed
+    assert as_timeout("timeout", value).total_seconds() == float(value)  # type: ignore[arg-type]
+    assert ddpkit.FaultConfig(hang_timeout=value).hang_timeout == float(value)  # type: ignore[arg-type]
+    assert type(ddpkit.FaultConfig(hang_timeout=value).hang_timeout) is float  # type: ignore[arg-type]
+    manager = ddpkit.CheckpointManager("unused", every_minutes=value)  # type: ignore[arg-type]
+    assert manager.every_minutes == float(value)  # type: ignore[arg-type]
+    from ddpkit.watchdog import HangWatchdog
+
+    assert HangWatchdog(value).timeout == float(value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "value", [True, np.float64("nan"), np.float32("inf"), np.int64(-5), np.int64(0)], ids=repr
+)
+def test_a_bool_or_a_meaningless_real_is_still_refused(value: object) -> None:
+    with pytest.raises(ValueError, match="rendezvous_timeout"):
+        init_distributed("tcp://127.0.0.1:1", world_size=2, rank=1, rendezvous_timeout=value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="hang_timeout"):
+        ddpkit.FaultConfig(hang_timeout=value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="every_minutes"):
+        ddpkit.CheckpointManager("unused", every_minutes=value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        run_distributed(print, 1, timeout=value)  # type: ignore[arg-type]
+
+
+def test_numpy_integers_are_counts_and_fractional_numbers_are_not() -> None:
+    from ddpkit.job import resolve_job
+
+    plan = resolve_job("tcp://127.0.0.1:1", world_size=np.int64(2), rank=np.int32(1))  # type: ignore[arg-type]
+    assert plan is not None
+    assert (type(plan.world_size), plan.world_size, plan.rank) == (int, 2, 1)
+    with pytest.raises(ValueError, match="rank must be an int"):
+        resolve_job("tcp://127.0.0.1:1", world_size=2, rank=np.float64(1.0))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="nprocs must be at least 1"):
+        ddpkit.spawn(print, np.int64(0))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="world_size must be an int"):
+        run_distributed(print, Fraction(3, 2))  # type: ignore[arg-type]
+
+
+# --- doctor's numeric flags, refused as argparse refuses them ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--world-size", "-3"),
+        ("--world-size", "0"),
+        ("--world-size", "two"),
+        ("--master-port", "0"),
+        ("--master-port", "70000"),
+        ("--master-port", "-5"),
+    ],
+)
+def test_doctor_refuses_a_bad_count_flag(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["doctor", flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err
+    assert "not compared" not in err
