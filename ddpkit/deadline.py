@@ -11,9 +11,11 @@ while it waits on the network, so the caller keeps running.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -23,6 +25,27 @@ __all__ = ["BoundedCalls", "DeadlinePassed"]
 
 _T = TypeVar("_T")
 _Job = tuple[Callable[..., Any], tuple[Any, ...], "Future[Any]"]
+
+
+# At exit, how long to wait for calls abandoned at their deadline to return: c10d's own
+# timeout usually ends them within a second or two of ours.
+_EXIT_WAIT_S = 10.0
+_abandoned: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_for_abandoned_calls() -> None:
+    """Let abandoned calls return before the interpreter is torn down (bounded).
+
+    A daemon thread that comes back from C++ (c10d giving up on a store) while the
+    interpreter finalizes is ended from inside pybind11 with a forced unwind, which
+    aborts the whole process ("terminate called without an active exception") and
+    replaces the exit status the program chose. Atexit handlers run before that
+    point, while such a thread can still return normally.
+    """
+    until = time.monotonic() + _EXIT_WAIT_S
+    for thread in list(_abandoned):
+        thread.join(max(0.0, until - time.monotonic()))
 
 
 class DeadlinePassed(TimeoutError):
@@ -62,6 +85,8 @@ class BoundedCalls:
             return done.result(timeout=min(max(left, 0.0), threading.TIMEOUT_MAX))
         except FutureTimeout:
             self._stuck = True
+            self.close()  # the helper ends once the call returns, if it ever does
+            _abandoned.add(self._thread)
             raise DeadlinePassed(f"{fn!r} did not return by the deadline") from None
 
     def close(self) -> None:

@@ -492,3 +492,73 @@ def test_doctor_refuses_a_bad_count_flag(
     err = capsys.readouterr().err
     assert f"argument {flag}" in err
     assert "not compared" not in err
+
+
+_ABANDONED_CALL = textwrap.dedent(
+    """
+    import ctypes, sys, time
+    from pathlib import Path
+    from ddpkit.deadline import BoundedCalls, DeadlinePassed
+
+    marker = Path(sys.argv[1])
+
+    def slow_native_call():
+        ctypes.CDLL(None).usleep(1_500_000)  # in C, without the GIL, as c10d waits
+        marker.write_text("returned")
+
+    calls = BoundedCalls(time.monotonic() + 0.2, "test-bounded")
+    try:
+        calls(slow_native_call)
+    except DeadlinePassed:
+        sys.exit(3)
+    """
+)
+
+
+def test_a_call_abandoned_at_its_deadline_returns_before_the_interpreter_ends(
+    tmp_path: Path,
+) -> None:
+    # A helper thread coming back from native code while the interpreter is torn
+    # down aborts the process; the abandoned call is let finish first, and the
+    # exit status stays the program's.
+    marker = tmp_path / "marker"
+    done = subprocess.run([sys.executable, "-c", _ABANDONED_CALL, str(marker)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert marker.read_text() == "returned"
+
+
+_GARBAGE_SERVER = textwrap.dedent(
+    """
+    import socket, sys, threading, time
+    import ddpkit
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+
+    def answer_garbage():
+        while True:
+            peer, _ = server.accept()
+            peer.sendall(bytes(range(256)) * 4)
+            time.sleep(0.05)
+            peer.close()
+
+    threading.Thread(target=answer_garbage, daemon=True).start()
+    url = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        ddpkit.init_distributed(url, world_size=2, rank=1, rendezvous_timeout=2)
+    except ddpkit.RendezvousError:
+        sys.exit(3)
+    """
+)
+
+
+def test_a_caught_rendezvous_error_leaves_the_exit_status_to_the_program() -> None:
+    # A port that answers malformed bytes: c10d's client retries in a thread that
+    # outlives the error; the process must still exit as the program chose (3).
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", _GARBAGE_SERVER], capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 3, done.stderr[-2000:]
+        assert "terminate called" not in done.stderr
