@@ -35,8 +35,22 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two pytest runs: the single-process tests two at a time (pytest-xdist, one per
+# core), then the tests that start several processes (marker `serial`, see
+# tests/conftest.py) one at a time, as two ranks already fill two cores. Each
+# prints its 25 slowest tests; the total comes last. Status 5 (nothing
+# selected, e.g. PYTEST_ARGS naming one file) is not a failure.
+PYTEST := $(BIN)/python -m pytest --timeout=300 --durations=25
+
 test: lint
-	$(BIN)/python -m pytest --timeout=300 $(PYTEST_ARGS)
+	@start=$$(date +%s); \
+	$(PYTEST) -n 2 -m "not serial" $(PYTEST_ARGS); one=$$?; \
+	middle=$$(date +%s); \
+	$(PYTEST) -m serial $(PYTEST_ARGS); two=$$?; \
+	end=$$(date +%s); \
+	echo "make test: $$((middle - start)) s single-process (-n 2, status $$one)" \
+		"+ $$((end - middle)) s multi-process (status $$two) = $$((end - start)) s in all"; \
+	{ [ $$one -eq 0 ] || [ $$one -eq 5 ]; } && { [ $$two -eq 0 ] || [ $$two -eq 5 ]; }
 
 # Every benchmarks/*.py except the _helpers; each prints ratios measured side by side.
 bench: $(STAMP)

@@ -141,7 +141,9 @@ class StepControl:
     With one rank, or no store, it acts at once.
 
     Use it as a context manager around training: it installs handlers for
-    ``signals`` (in the main thread) and puts the previous ones back.
+    ``signals`` (in the main thread) and puts the previous ones back. A SIGINT
+    this process inherited as ignored (a job started with ``&`` from a script,
+    or under ``nohup``) stays ignored, as Python itself leaves it.
 
     Args:
         signals: names (``"SIGTERM"``) or numbers of the signals that ask to
@@ -181,6 +183,10 @@ class StepControl:
     def __enter__(self) -> StepControl:
         if threading.current_thread() is threading.main_thread():
             for number in self._signals:
+                # An ignored SIGINT is the shell's way to keep a background job out of
+                # the terminal's Ctrl-C (`cmd &`, nohup); Python leaves it so, and so do we.
+                if number == signal.SIGINT and signal.getsignal(number) is signal.SIG_IGN:
+                    continue
                 self._previous[number] = signal.signal(number, self._on_signal)
         return self
 

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -32,7 +33,16 @@ def test_a_signal_stops_a_single_process_after_the_current_step() -> None:
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
-def test_a_second_ctrl_c_after_a_second_stops_at_once() -> None:
+@pytest.fixture
+def sigint() -> Iterator[Callable[[Any], None]]:
+    """Set this process's SIGINT disposition for the test (it may have inherited any)."""
+    before = signal.getsignal(signal.SIGINT)
+    yield lambda handler: signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_second_ctrl_c_after_a_second_stops_at_once(sigint: Callable[[Any], None]) -> None:
+    sigint(signal.default_int_handler)  # as in a terminal, not as in a `cmd &` from a script
     with StepControl(signals=["SIGINT"]) as control:
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)  # the same press seen twice (a launcher forwarding)
@@ -40,6 +50,17 @@ def test_a_second_ctrl_c_after_a_second_stops_at_once() -> None:
         time.sleep(1.1)  # the window is wall-clock time: nothing to wait on but the clock
         with pytest.raises(KeyboardInterrupt):
             _interrupt_and_wait()
+
+
+def test_an_ignored_sigint_stays_ignored(sigint: Callable[[Any], None]) -> None:
+    sigint(signal.SIG_IGN)  # inherited so by a job started with `&` from a script, or nohup
+    with StepControl(signals=["SIGINT", "SIGUSR1"]) as control:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+        assert control.after_step(1).stop is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert control.after_step(2).stop == Stop("signal", "SIGUSR1")
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def test_bad_signal_names_are_refused() -> None:

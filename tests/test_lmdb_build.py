@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import tracemalloc
 from functools import cache
 from pathlib import Path
@@ -309,14 +310,24 @@ def test_checks_header_decode_and_empty(tree: Path, tmp_path: Path) -> None:
 
 
 _BUILD_IN_CHILD = """
-import sys
+import signal, sys
+# The SIGINT disposition the test needs, whatever this process inherited (a
+# suite started with `&` from a script hands every child an ignored SIGINT).
+ignored = sys.argv[3] == "ignored"
+signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
 from ddpkit.data.lmdb_build import build_lmdb
 build_lmdb(sys.argv[1], sys.argv[2], workers=2, progress=False)
 """
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
-def test_interrupted_build_leaves_no_database(tmp_path: Path, how: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    ("how", "sigint"),
+    [(signal.SIGKILL, "default"), (signal.SIGINT, "default"), (signal.SIGINT, "ignored")],
+    ids=["SIGKILL", "SIGINT", "SIGINT-ignored"],
+)
+def test_interrupted_build_leaves_no_database(
+    tmp_path: Path, how: signal.Signals, sigint: str
+) -> None:
     images = [_save(_crop(i), tmp_path / f"{i}.jpg") for i in range(4)]
     fifo = tmp_path / "stuck.jpg"
     os.mkfifo(fifo)
@@ -325,7 +336,7 @@ def test_interrupted_build_leaves_no_database(tmp_path: Path, how: signal.Signal
     listing.write_text("".join(f"{images[i % 4]},{i % 2}\n" for i in range(1200)) + f"{fifo},0\n")
     output = tmp_path / "db"
     child = subprocess.Popen(
-        [sys.executable, "-c", _BUILD_IN_CHILD, str(listing), str(output)],
+        [sys.executable, "-c", _BUILD_IN_CHILD, str(listing), str(output), sigint],
         stderr=subprocess.PIPE,
     )
     writer: list[int] = []
@@ -337,14 +348,23 @@ def test_interrupted_build_leaves_no_database(tmp_path: Path, how: signal.Signal
     try:
         assert writer, f"the build never reached the FIFO: {child.poll()=}"
         child.send_signal(how)
+        if sigint == "ignored":
+            time.sleep(0.5)  # time for a SIGINT that was not ignored to stop the build
+            os.write(writer[0], images[0].read_bytes())  # the last image, then end of file
     finally:
         for fd in writer:  # end of file for the blocked read, so a SIGINT can finish
             os.close(fd)
         _, stderr = child.communicate(timeout=120)
 
+    temps = [p for p in tmp_path.iterdir() if p.name.startswith("db.tmp-")]
+    if sigint == "ignored":
+        # Left ignored, as Python leaves it: the build runs to the end.
+        assert child.returncode == 0, stderr.decode()[-3000:]
+        assert len(LazyLMDBDataset(str(output))) == 1201
+        assert temps == []
+        return
     assert child.returncode != 0
     assert not output.exists()
-    temps = [p for p in tmp_path.iterdir() if p.name.startswith("db.tmp-")]
     if how == signal.SIGINT:
         assert b"KeyboardInterrupt" in stderr
         assert temps == []  # cleaned up on the way out

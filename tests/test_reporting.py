@@ -90,7 +90,9 @@ def test_quiet_reporting_goes_to_the_ddpkit_logger(
 
 def test_a_bar_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     reporter = Reporter(ReportConfig(), is_main=True)
-    assert reporter.progress_bar(5, "epoch 1/2") is None  # pytest captures stderr
+    # Forced both ways: `pytest -s` at a terminal leaves this process a terminal's stderr.
+    monkeypatch.setattr("ddpkit.reporting._terminal", lambda: False)
+    assert reporter.progress_bar(5, "epoch 1/2") is None
     monkeypatch.setattr("ddpkit.reporting._terminal", lambda: True)
     bar = reporter.progress_bar(5, "epoch 1/2")
     assert bar is not None

@@ -123,7 +123,11 @@ def test_restart_arguments_are_checked() -> None:
 
 _PARENT = textwrap.dedent(
     """
-    import sys
+    import signal, sys
+    # The SIGINT disposition the test needs, whatever this process inherited: a
+    # suite started with `&` from a script hands every child an ignored SIGINT.
+    ignored = sys.argv[3] == "ignored"
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
     sys.path.insert(0, sys.argv[1])
     import ddpkit
     import restart_jobs
@@ -132,11 +136,11 @@ _PARENT = textwrap.dedent(
 )
 
 
-def _start_parent(job: str, stderr: IO[str]) -> subprocess.Popen[str]:
+def _start_parent(job: str, stderr: IO[str], sigint: str = "default") -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
     # A session of its own: its process group stands for a terminal's foreground job.
     return subprocess.Popen(
-        [sys.executable, "-c", _PARENT, str(TESTS_DIR), job],
+        [sys.executable, "-c", _PARENT, str(TESTS_DIR), job, sigint],
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
@@ -285,3 +289,26 @@ def test_sigterm_before_training_exits_143_and_says_nothing_was_saved(tmp_path: 
     assert "stopped by SIGTERM before training began" in stderr
     assert "nothing was saved" in stderr
     assert [pid for pid in pids if _alive(pid)] == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.timeout(150)
+def test_an_ignored_sigint_stays_ignored(tmp_path: Path) -> None:
+    # Started with SIGINT ignored (`cmd &` from a script, nohup), spawn leaves it
+    # so, as Python does: no handler, nothing forwarded, no process groups of the
+    # children's own. Ctrl-C to the group reaches each child once, directly.
+    pids: list[int] = []
+    with (tmp_path / "stderr").open("w+") as err:
+        parent = _start_parent("ignore_sigint", err, sigint="ignored")
+        with _cleanup(parent, pids):
+            pids += [int(pid) for _, _, pid in _wait_for(parent, err, "ready", 2)]
+            assert [os.getpgid(pid) for pid in pids] == [parent.pid, parent.pid]
+            os.killpg(parent.pid, signal.SIGINT)
+            first = _wait_for(parent, err, "sigint", 2)
+            time.sleep(1.2)  # a second press: with a handler, it would kill the children
+            os.killpg(parent.pid, signal.SIGINT)
+            second = _wait_for(parent, err, "sigint", 2)
+            time.sleep(1.0)
+            running = (parent.poll(), [pid for pid in pids if _alive(pid)])
+    assert sorted(s[1] for s in first + second) == ["0", "0", "1", "1"]
+    assert running == (None, pids)
