@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
+from ddpkit._docs import see
 from ddpkit.data.build_output import check_output, move_into_place, temp_output
 from ddpkit.data.images import Check, prepare_image
 from ddpkit.data.lmdb_index import INDEX_KEY, encode_index_buffer, sample_key
@@ -34,16 +35,20 @@ from ddpkit.data.lmdb_sources import (
     list_source,
     parquet_source,
 )
-from ddpkit.data.threads import ordered_map
+from ddpkit.data.threads import check_workers, ordered_map
 from ddpkit.devices import usable_cpus
 from ddpkit.files import is_no_space, is_quota, no_space
 
-__all__ = ["BuildSummary", "ImageError", "build_lmdb"]
+__all__ = ["MAX_MAP_SIZE", "MIN_MAP_SIZE", "BuildSummary", "ImageError", "build_lmdb"]
 
 _COMMIT_SAMPLES = 1000
 _COMMIT_BYTES = 256 << 20
 # A modest first reservation: the map doubles whenever a batch does not fit.
 _INITIAL_MAP_SIZE = 1 << 30
+# LMDB reserves the whole map in the address space (128 TiB on x86-64 Linux); a page
+# is the least it can hold.
+MIN_MAP_SIZE = 4096
+MAX_MAP_SIZE = 64 << 40
 
 
 class ImageError(ValueError):
@@ -124,7 +129,7 @@ def build_lmdb(
         image_column: Parquet: a binary column, or a struct with a ``bytes``
             field (and optionally ``path``), as Hugging Face ``datasets`` writes.
         label_column: Parquet: an integer or string column.
-        workers: threads reading and checking images (default: usable CPUs).
+        workers: threads reading and checking images, 1..1024 (default: usable CPUs).
         max_side: images whose longer side exceeds it are shrunk to it (aspect
             kept, alpha dropped) and stored as RGB JPEG at ``quality``.
         quality: JPEG quality of shrunk images, 1..100.
@@ -132,7 +137,8 @@ def build_lmdb(
             and size) or ``"decode"`` (full decode).
         on_error: ``"fail"`` raises on the first bad image; ``"skip"`` leaves it
             out and lists it in :attr:`BuildSummary.skipped`.
-        map_size: the first LMDB map size in bytes (default 1 GiB); it doubles when full.
+        map_size: the first LMDB map size in bytes, 4 KiB to 64 TiB (default 1 GiB); it
+            doubles when full.
         overwrite: replace a database at ``output`` once the new one is complete;
             only an LMDB database is ever replaced.
         progress: show a tqdm bar on stderr when it is a terminal.
@@ -160,20 +166,23 @@ def build_lmdb(
     """
     # "db/" and "db" are one output: a trailing separator must not hide a link.
     source, output = os.fspath(source), _strip_separators(os.fspath(output))
+    check_workers(workers)
     workers = usable_cpus() if workers is None else workers
     _check_choice("source_format", source_format, ("auto", "imagefolder", "list", "parquet"))
     _check_choice("check", check, ("none", "header", "decode"))
     _check_choice("on_error", on_error, ("fail", "skip"))
-    for name, value, low in [
-        ("workers", workers, 1),
-        ("max_side", max_side, 1),
-        ("quality", quality, 1),
-        ("map_size", map_size, 4096),
-    ]:
+    for name, value, low in [("max_side", max_side, 1), ("quality", quality, 1)]:
         if value is not None and value < low:
             raise ValueError(f"{name} must be at least {low}; got {value}")
     if quality > 100:
         raise ValueError(f"quality must lie in 1..100; got {quality}")
+    if map_size is not None and not MIN_MAP_SIZE <= map_size <= MAX_MAP_SIZE:
+        raise ValueError(
+            f"map_size must lie in {MIN_MAP_SIZE}..{MAX_MAP_SIZE} bytes (4 KiB to 64 TiB; "
+            f"--map-size 4K to 64T); got {map_size}. LMDB reserves the whole map in the "
+            "address space, and it doubles when full, so a small start is fine. "
+            + see("data-lmdb-databases-datasets-loaders")
+        )
     if source.strip() and not os.path.exists(source):
         raise FileNotFoundError(f"{source}: no such file or directory to build a database from")
     check_output(source, output, overwrite)
@@ -326,16 +335,23 @@ def _write(
 ) -> _Written:
     # No fsync per commit: an unfinished build is thrown away, so only the end must be durable.
     # No lock file: one writer owns the directory, and a lock map on a full tmpfs can SIGBUS.
-    env = lmdb.open(
-        tmp,
-        subdir=True,
-        map_size=map_size,
-        lock=False,
-        readahead=False,
-        meminit=False,
-        sync=False,
-        metasync=False,
-    )
+    try:
+        env = lmdb.open(
+            tmp,
+            subdir=True,
+            map_size=map_size,
+            lock=False,
+            readahead=False,
+            meminit=False,
+            sync=False,
+            metasync=False,
+        )
+    except lmdb.MemoryError as exc:  # the address space (or `ulimit -v`) has no room for it
+        raise ValueError(
+            f"map_size={map_size} bytes ({map_size / 2**30:.1f} GiB) cannot be reserved in this "
+            f"process's address space ({exc}); pass a smaller map_size (--map-size): it "
+            "doubles when full. " + see("data-lmdb-databases-datasets-loaders")
+        ) from exc
     written = _Written(env)
     batch: list[tuple[bytes, bytes]] = []
     batch_bytes = 0

@@ -26,7 +26,7 @@ from ddpkit.data.lmdb_format import (
     read_index,
     sample_key,
 )
-from ddpkit.data.threads import ordered_map
+from ddpkit.data.threads import check_workers, ordered_map
 from ddpkit.devices import usable_cpus
 
 __all__ = ["BadSample", "VerifyReport", "describe_lmdb", "verify_lmdb", "verify_report"]
@@ -78,7 +78,7 @@ def verify_report(
 
     Args:
         path: the database.
-        workers: decoding threads (default: usable CPUs).
+        workers: decoding threads, 1..1024 (default: usable CPUs).
         progress: show a tqdm bar on stderr when it is a terminal.
 
     Returns:
@@ -86,7 +86,9 @@ def verify_report(
 
     Raises:
         FileNotFoundError, LMDBFormatError: ``path`` is not a ddpkit database.
+        ValueError, TypeError: ``workers`` is not a whole number in 1..1024.
     """
+    check_workers(workers)
     path = os.fspath(path)
     try:
         index = read_index(path, columns=("path",))

@@ -392,7 +392,9 @@ def test_a_uint64_label_beyond_int64_is_reported_as_stored(
 
 
 def test_a_uint64_label_in_range_reads_as_its_value() -> None:
-    index = decode_index(_record({"label": pa.array([0, 1, 1], pa.uint64())}, _index()), source="db")
+    index = decode_index(
+        _record({"label": pa.array([0, 1, 1], pa.uint64())}, _index()), source="db"
+    )
     assert index.labels.tolist() == [0, 1, 1]
     assert index.labels.dtype.name == "int64"
 
