@@ -8,6 +8,7 @@ directory has no index record, so it never opens as a finished database.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -273,6 +274,55 @@ def _prepare_chunk(
 _FIX = "Fix or remove it, or pass on_error='skip' (--on-error skip) to leave it out"
 
 
+class _PageEstimate:
+    """How many bytes of ``data.mdb`` the records written so far take, from their sizes.
+
+    LMDB stores a small record in a leaf page (a 16-byte node header and key
+    beside it, a 2-byte slot) and a large one in whole overflow pages of its
+    own: a 5 KiB image takes 8 KiB. The builder appends, so leaf pages fill up
+    in order; this follows that packing, then adds the branch pages, the two
+    meta pages and the pages each commit copies. It errs on the high side, so
+    that freeing the room it names is enough.
+    """
+
+    def __init__(self, page: int) -> None:
+        self.page = page
+        self.usable = page - 16  # the page header
+        # LMDB's largest node kept in a leaf (me_nodemax), key and header included.
+        self.node_max = ((self.usable // 2) & -2) - 2
+        self.overflow_pages = 0
+        self.leaf_pages = 0
+        self.leaf_fill = self.usable  # no open leaf page yet
+        self.commits = 0
+
+    def add(self, size: int) -> None:
+        node = 16 + size
+        if node > self.node_max:  # its own overflow pages; a 24-byte node points to them
+            self.overflow_pages += -(-(16 + size) // self.page)
+            node = 16 + 8
+        node += node & 1  # nodes are 2-byte aligned
+        if self.leaf_fill + node + 2 > self.usable:
+            self.leaf_pages += 1
+            self.leaf_fill = 0
+        self.leaf_fill += node + 2
+
+    def bytes(self, scale: float = 1.0) -> int:
+        """The file's size for these records, or ``scale`` times as many of them."""
+        leaves = math.ceil(self.leaf_pages * scale)
+        branches = math.ceil(leaves * 18 / self.usable) + 2  # 16-byte node + slot per leaf
+        depth = 2 + math.ceil(math.log(max(leaves, 2), max(self.usable // 18, 2)))
+        commits = math.ceil(self.commits * scale) + 2
+        pages = math.ceil(self.overflow_pages * scale) + leaves + branches + 2  # 2 meta pages
+        # Each commit writes a new copy of the tree's rightmost path; a freed page is
+        # reused only two commits later, and the free list takes pages of its own.
+        pages += commits * depth * 2
+        return pages * self.page
+
+    def record(self, size: int) -> int:
+        """The bytes one more record of ``size`` bytes (the index) takes, with its commit."""
+        return (-(-(16 + size) // self.page) + 4) * self.page
+
+
 class _Written:
     """What the build stored so far, compactly: a label and a name per sample, 16 + ~30 bytes.
 
@@ -282,13 +332,15 @@ class _Written:
 
     def __init__(self, env: lmdb.Environment) -> None:
         self.env = env
+        self.pages = _PageEstimate(env.stat()["psize"])
         self.labels = array("q")
         self.name_offsets = array("q", [0])  # Arrow's offsets: where each name starts and ends
         self.names = bytearray()
         self.skipped: list[tuple[str, str]] = []
         self.bytes = 0
 
-    def add(self, label: int, name: str) -> None:
+    def add(self, label: int, name: str, size: int) -> None:
+        self.pages.add(size)
         self.labels.append(label)
         self.names += name.encode("utf-8", "surrogateescape")
         self.name_offsets.append(len(self.names))
@@ -316,7 +368,7 @@ class _Written:
             self.env.sync(True)
         except (lmdb.Error, OSError) as exc:
             if is_no_space(exc):
-                needed = self.bytes + len(index)
+                needed = self.pages.bytes() + self.pages.record(len(index))
                 raise no_space(self.env.path(), needed, quota=is_quota(exc)) from exc
             raise
         finally:
@@ -371,9 +423,10 @@ def _write(
                         written.skipped.append((where, reason))
                         continue
                     batch.append((sample_key(len(written.labels)), data))
-                    written.add(sample.label, sample.name)
+                    written.add(sample.label, sample.name, len(data))
                     batch_bytes += len(data)
                 if len(batch) >= _COMMIT_SAMPLES or batch_bytes >= _COMMIT_BYTES:
+                    written.pages.commits += 1
                     _put_all(env, batch, append=True)
                     written.bytes, batch, batch_bytes = written.bytes + batch_bytes, [], 0
                 bar.update(len(chunk))
@@ -382,9 +435,12 @@ def _write(
     except BaseException as exc:
         env.close()
         if isinstance(exc, lmdb.Error | OSError) and is_no_space(exc):
-            # What the whole build would need, from what the images read so far took.
-            done = len(written.labels) + len(written.skipped) + len(batch)
-            needed = (written.bytes + batch_bytes) * src.total // max(done, 1)
+            # What the whole build would need, in LMDB's pages, from the images so far;
+            # the index record stores about 50 bytes per sample.
+            done = len(written.labels) + len(written.skipped)
+            scale = src.total / max(done, 1)
+            index = 64 * src.total + 4096 + len(written.names) * src.total // max(done, 1)
+            needed = written.pages.bytes(scale) + written.pages.record(index)
             raise no_space(tmp, needed, quota=is_quota(exc)) from exc
         raise
     return written
