@@ -146,6 +146,7 @@ def _add_lmdb(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         help="first LMDB map size, 4K to 64T, e.g. 64K, 10M, 2G (default: 1G; it doubles "
         "when full)",
     )
+    _add_max_pixels(build)
     build.add_argument(
         "--overwrite",
         action="store_true",
@@ -175,8 +176,18 @@ def _add_lmdb(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         type=_whole(1, MAX_THREADS),
         help="decoding threads (default: usable CPUs)",
     )
+    _add_max_pixels(verify)
     _add_no_progress(verify)
     verify.set_defaults(func=_run_lmdb_verify, command_parser=verify)
+
+
+def _add_max_pixels(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--max-pixels",
+        type=_whole(1),
+        metavar="N",
+        help="refuse an image whose header claims more pixels (default: Pillow's limit, 178956970)",
+    )
 
 
 def _add_no_progress(command: argparse.ArgumentParser) -> None:
@@ -279,6 +290,7 @@ def _run_lmdb_build(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=_progress(args),
         allow_empty=args.allow_empty,
+        max_pixels=args.max_pixels,
     )
     for where, reason in summary.skipped:
         print(f"skipped {where}: {reason}")
@@ -316,7 +328,9 @@ def _run_lmdb_info(args: argparse.Namespace) -> int:
 def _run_lmdb_verify(args: argparse.Namespace) -> int:
     from ddpkit.data.lmdb_inspect import verify_report
 
-    report = verify_report(args.path, workers=args.workers, progress=_progress(args))
+    report = verify_report(
+        args.path, workers=args.workers, progress=_progress(args), max_pixels=args.max_pixels
+    )
     for bad in report.bad:
         where = f" ({bad.path})" if bad.path else ""
         print(f"index {bad.index}{where}: {bad.reason}")

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from ddpkit._docs import see
 from ddpkit.data.build_output import check_output, move_into_place, temp_output
-from ddpkit.data.images import Check, prepare_image
+from ddpkit.data.images import Check, pixel_limit, prepare_image
 from ddpkit.data.lmdb_index import INDEX_KEY, encode_index_buffer, sample_key
 from ddpkit.data.lmdb_sources import (
     Sample,
@@ -111,6 +111,7 @@ def build_lmdb(
     overwrite: bool = False,
     progress: bool = True,
     allow_empty: bool = False,
+    max_pixels: int | None = None,
 ) -> BuildSummary:
     """Write the images of ``source`` and their labels into a new database at ``output``.
 
@@ -145,6 +146,9 @@ def build_lmdb(
         progress: show a tqdm bar on stderr when it is a terminal.
         allow_empty: write a database even when no image could be stored
             (by default that is an ``ImageError`` and nothing is written).
+        max_pixels: the most pixels an image may have, checked from its header
+            (``check="header"`` or ``"decode"``; default: Pillow's limit, see
+            :func:`ddpkit.data.images.pixel_limit`); a larger one is a bad image.
 
     Returns:
         A :class:`BuildSummary`.
@@ -168,6 +172,7 @@ def build_lmdb(
     # "db/" and "db" are one output: a trailing separator must not hide a link.
     source, output = os.fspath(source), _strip_separators(os.fspath(output))
     check_workers(workers)
+    pixel_limit(max_pixels)
     workers = usable_cpus() if workers is None else workers
     _check_choice("source_format", source_format, ("auto", "imagefolder", "list", "parquet"))
     _check_choice("check", check, ("none", "header", "decode"))
@@ -207,7 +212,9 @@ def build_lmdb(
         raise ImageError(f"{where}: {reason}. {_FIX}")
     start = time.perf_counter()
     tmp = temp_output(output)
-    prepare = partial(_prepare_chunk, check=check, max_side=max_side, quality=quality)
+    prepare = partial(
+        _prepare_chunk, check=check, max_side=max_side, quality=quality, max_pixels=max_pixels
+    )
     metadata = {
         "source": os.path.abspath(source),
         "source_format": fmt,
@@ -251,7 +258,7 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def _prepare_chunk(
-    chunk: list[Sample], *, check: Check, max_side: int | None, quality: int
+    chunk: list[Sample], *, check: Check, max_side: int | None, quality: int, max_pixels: int | None
 ) -> list[tuple[bytes | None, str]]:
     """``(bytes to store, "")`` or ``(None, why it is unusable)`` for each image.
 
@@ -267,7 +274,7 @@ def _prepare_chunk(
             except OSError as exc:  # a fact about this image, like a damaged file
                 prepared.append((None, f"{type(exc).__name__}: {exc}"))
                 continue
-        prepared.append(prepare_image(data, check, max_side, quality))
+        prepared.append(prepare_image(data, check, max_side, quality, max_pixels=max_pixels))
     return prepared
 
 
