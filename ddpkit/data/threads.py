@@ -11,8 +11,6 @@ from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from ddpkit._docs import see
-
 __all__ = ["MAX_WORKERS", "check_workers", "ordered_map"]
 
 CHUNK = 16  # items per task handed to a worker thread
@@ -30,15 +28,9 @@ def check_workers(workers: int | None) -> None:
     if workers is None:
         return
     if isinstance(workers, bool) or not isinstance(workers, int):
-        raise TypeError(
-            f"workers must be a whole number of threads, got {workers!r}. "
-            + see("data-lmdb-databases-datasets-loaders")
-        )
+        raise TypeError(f"workers must be a whole number of threads, got {workers!r}")
     if not 1 <= workers <= MAX_WORKERS:
-        raise ValueError(
-            f"workers must lie in 1..{MAX_WORKERS} threads; got {workers}. "
-            + see("data-lmdb-databases-datasets-loaders")
-        )
+        raise ValueError(f"workers must lie in 1..{MAX_WORKERS} threads; got {workers}")
 
 
 _T = TypeVar("_T")

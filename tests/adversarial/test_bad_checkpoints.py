@@ -214,13 +214,13 @@ def test_the_room_a_full_disk_build_asks_for_is_enough(tmp_path: Path) -> None:
 def test_the_size_estimate_covers_a_real_build(
     tmp_path: Path, count: int, low: int, high: int
 ) -> None:
-    from ddpkit.data.lmdb_build import _PageEstimate
+    from ddpkit.data.lmdb_pages import PageEstimate
 
     tree = _random_tree(tmp_path / "imgs", count, low, high, seed=count)
     build_lmdb(tree, tmp_path / "db", check="none", progress=False)
     actual = (tmp_path / "db" / "data.mdb").stat().st_size
     files = sorted(tree.rglob("*.jpg"), key=lambda p: (p.parent.name, p.name))
-    estimate = _PageEstimate(4096)
+    estimate = PageEstimate(4096)
     for k, path in enumerate(files, 1):
         estimate.add(path.stat().st_size)
         estimate.commits += k % 1000 == 0
