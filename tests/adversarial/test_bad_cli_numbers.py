@@ -29,7 +29,7 @@ _COMMANDS = {
 }
 HUGE = "99999999999999999999999"
 # Flags with no upper bound: a huge value is a valid (if odd) request.
-UNBOUNDED = {"--max-side", "--world-size"}
+UNBOUNDED = {"--max-side", "--world-size", "--max-pixels"}
 
 
 def _subparser(path: tuple[str, ...]) -> argparse.ArgumentParser:
