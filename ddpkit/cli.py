@@ -57,11 +57,13 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     doctor.add_argument("--master-addr", help="rank 0's host (default: MASTER_ADDR)")
     doctor.add_argument(
-        "--master-port", type=_port, help="the rendezvous port (default: MASTER_PORT)"
+        "--master-port",
+        type=_whole(1, 65535),
+        help="the rendezvous port (default: MASTER_PORT)",
     )
     doctor.add_argument(
         "--world-size",
-        type=_positive_int,
+        type=_whole(1),
         help="the total number of processes, to compare with the launcher",
     )
     doctor.add_argument(
@@ -116,12 +118,21 @@ def _add_lmdb(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     build.add_argument("--image-column", default="image", help="Parquet image column")
     build.add_argument("--label-column", default="label", help="Parquet label column")
     build.add_argument(
-        "-j", "-w", "--workers", type=int, help="reading threads (default: usable CPUs)"
+        "-j",
+        "-w",
+        "--workers",
+        type=_whole(1, MAX_THREADS),
+        help="reading threads (default: usable CPUs)",
     )
     build.add_argument(
-        "--max-side", type=int, metavar="PX", help="shrink larger images to this longer side"
+        "--max-side",
+        type=_whole(1),
+        metavar="PX",
+        help="shrink larger images to this longer side",
     )
-    build.add_argument("--quality", type=int, default=90, help="JPEG quality of shrunk images")
+    build.add_argument(
+        "--quality", type=_whole(1, 100), default=90, help="JPEG quality of shrunk images, 1..100"
+    )
     build.add_argument(
         "--check",
         choices=("none", "header", "decode"),
@@ -138,8 +149,10 @@ def _add_lmdb(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--map-size",
         type=_byte_size,
         metavar="BYTES",
-        help="first LMDB map size, e.g. 64K, 10M, 2G (default: 1G; it doubles when full)",
+        help="first LMDB map size, 4K to 64T, e.g. 64K, 10M, 2G (default: 1G; it doubles "
+        "when full)",
     )
+    _add_max_pixels(build)
     build.add_argument(
         "--overwrite",
         action="store_true",
@@ -163,10 +176,24 @@ def _add_lmdb(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     verify.add_argument("path", metavar="PATH")
     verify.add_argument(
-        "-j", "-w", "--workers", type=int, help="decoding threads (default: usable CPUs)"
+        "-j",
+        "-w",
+        "--workers",
+        type=_whole(1, MAX_THREADS),
+        help="decoding threads (default: usable CPUs)",
     )
+    _add_max_pixels(verify)
     _add_no_progress(verify)
     verify.set_defaults(func=_run_lmdb_verify, command_parser=verify)
+
+
+def _add_max_pixels(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--max-pixels",
+        type=_whole(1),
+        metavar="N",
+        help="refuse an image whose header claims more pixels (default: Pillow's limit, 178956970)",
+    )
 
 
 def _add_no_progress(command: argparse.ArgumentParser) -> None:
@@ -182,33 +209,40 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.no_progress and sys.stderr.isatty()
 
 
+# The library's own limits, repeated here so that parsing imports neither torch nor lmdb
+# (ddpkit.data.threads.MAX_WORKERS, ddpkit.data.lmdb_build.MIN_MAP_SIZE / MAX_MAP_SIZE).
+MAX_THREADS = 1024
+MIN_MAP_SIZE = 4096
+MAX_MAP_SIZE = 64 << 40
+# A socket timeout beyond about 2**33 s overflows; no connection is worth waiting a day for.
+_MAX_SECONDS = 86400.0
+
+
+def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number in ``low..high``; argparse names the flag."""
+    span = f"{low}..{high}" if high is not None else f"{low} or more"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ({span})") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range: use {span}")
+        return value
+
+    return parse
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds (e.g. 3)")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1 (e.g. 8)")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port, 1 to 65535 (e.g. 29500)")
+    if not (math.isfinite(value) and 0 < value <= _MAX_SECONDS):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds above 0 and at most {_MAX_SECONDS:.0f} (e.g. 3)"
+        )
     return value
 
 
@@ -218,7 +252,13 @@ def _byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size; write bytes or a number with K, M, G or T (64K, 10M, 2G)"
         )
-    return int(match[1]) << (10 * " KMGT".index(match[2] or " "))
+    value = int(match[1]) << (10 * " KMGT".index(match[2] or " "))
+    if not MIN_MAP_SIZE <= value <= MAX_MAP_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} ({value} bytes) is out of range: use 4K to 64T (LMDB maps the whole "
+            "size into memory addresses; the map doubles when full, so a small start is fine)"
+        )
+    return value
 
 
 def _reporting_errors(
@@ -256,6 +296,7 @@ def _run_lmdb_build(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=_progress(args),
         allow_empty=args.allow_empty,
+        max_pixels=args.max_pixels,
     )
     for where, reason in summary.skipped:
         print(f"skipped {where}: {reason}")
@@ -293,7 +334,9 @@ def _run_lmdb_info(args: argparse.Namespace) -> int:
 def _run_lmdb_verify(args: argparse.Namespace) -> int:
     from ddpkit.data.lmdb_inspect import verify_report
 
-    report = verify_report(args.path, workers=args.workers, progress=_progress(args))
+    report = verify_report(
+        args.path, workers=args.workers, progress=_progress(args), max_pixels=args.max_pixels
+    )
     for bad in report.bad:
         where = f" ({bad.path})" if bad.path else ""
         print(f"index {bad.index}{where}: {bad.reason}")

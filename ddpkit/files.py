@@ -170,7 +170,7 @@ def no_space(path: str | os.PathLike[str], needed: int | None, *, quota: bool = 
         free = shutil.disk_usage(directory).free
     except OSError:
         free = 0
-    need = f"about {_size(needed)} needed, " if needed else ""
+    need = f"about {_size(needed, up=True)} needed, " if needed else ""
     if quota:
         return OSError(
             errno.EDQUOT,
@@ -186,8 +186,11 @@ def no_space(path: str | os.PathLike[str], needed: int | None, *, quota: bool = 
     )
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+def _size(n: int, *, up: bool = False) -> str:
+    """``n`` bytes in MiB or KiB to one decimal; ``up``: never less than ``n`` (room needed)."""
+    unit, name = (2**20, "MiB") if n >= 2**20 else (2**10, "KiB")
+    tenths = -(-n * 10 // unit) if up else round(n * 10 / unit)
+    return f"{tenths / 10:.1f} {name}"
 
 
 def _mount_point(directory: Path) -> str:

@@ -78,7 +78,7 @@ def test_global_batch_that_does_not_divide_suggests_neighbours() -> None:
         ({}, "exactly one"),
         ({"batch_size": 0}, "batch_size must be at least 1, got 0"),
         ({"global_batch_size": -4}, "global_batch_size must be at least 1, got -4"),
-        ({"batch_size": 4, "workers": -1}, "workers must be >= 0"),
+        ({"batch_size": 4, "workers": -1}, r"workers must be 0\.\.1024, got -1"),
     ],
 )
 def test_bad_batch_arguments(kwargs: dict[str, Any], match: str) -> None:

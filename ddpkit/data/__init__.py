@@ -1,5 +1,6 @@
 """Datasets, transforms and loaders: the LMDB format, its builder and dataset, loaders."""
 
+from ddpkit.data.images import ImageTooLargeError
 from ddpkit.data.lmdb_build import BuildSummary, ImageError, build_lmdb
 from ddpkit.data.lmdb_dataset import LazyLMDBDataset
 from ddpkit.data.lmdb_format import LMDBFormatError, read_index
@@ -22,6 +23,7 @@ __all__ = [
     "BuildSummary",
     "DistributedEvalSampler",
     "ImageError",
+    "ImageTooLargeError",
     "LMDBFormatError",
     "LazyLMDBDataset",
     "VerifyReport",

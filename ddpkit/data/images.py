@@ -5,18 +5,27 @@
 :func:`check_image`, which runs that same decoder: "verify says ok" means
 "training can read it". No input kills the process: formats whose fast
 decoder can crash on damaged data are checked or decoded another way.
+
+Every path reads the image's size from its header first and refuses one of
+more pixels than :func:`pixel_limit` allows (:class:`ImageTooLargeError`):
+a 700-byte file whose header claims 65000 x 65000 would otherwise decode to
+13 GB. The limit is Pillow's by default; ``max_pixels=`` of the dataset, the
+builder and ``verify`` (``--max-pixels``) sets another.
 """
 
 from __future__ import annotations
 
 import io
+import numbers
 import struct
-import zlib
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
+
+from ddpkit._docs import see
+from ddpkit.data.image_checks import check_png, check_tiff_strips, restart_intervals
 
 try:  # torchvision's codecs are announced to move to TorchCodec; Pillow still decodes.
     from torchvision.io import ImageReadMode
@@ -24,48 +33,220 @@ try:  # torchvision's codecs are announced to move to TorchCodec; Pillow still d
 except ImportError:  # pragma: no cover - only without torchvision.io's image codecs
     _tv_decode = None
 
-__all__ = ["Check", "check_image", "check_png", "decode_pil", "decode_tensor", "prepare_image"]
+__all__ = [
+    "Check",
+    "ImageTooLargeError",
+    "check_image",
+    "check_jpeg_data",
+    "check_png",
+    "decode_pil",
+    "decode_tensor",
+    "image_size",
+    "pixel_limit",
+    "prepare_image",
+]
 
 Check = Literal["none", "header", "decode"]
 Buffer = bytes | bytearray
 
 
-def decode_tensor(raw: Buffer) -> torch.Tensor:
-    """Decode encoded image bytes to a uint8 ``3 x H x W`` RGB tensor.
+class ImageTooLargeError(ValueError):
+    """An image's header claims more pixels than the limit; refused before any decoding."""
 
-    JPEG, WebP and GIF go through torchvision's decoders (grayscale, CMYK and
-    alpha converted to RGB, an animation's first frame); PNG and the formats
-    torchvision does not read (BMP, TIFF ...) through Pillow. PNG is first
-    checked whole (:func:`check_png`): torchvision's PNG decoder kills the
-    process on damaged data, and Pillow silently pads a short one.
+
+def pixel_limit(max_pixels: int | None = None) -> int | None:
+    """The most pixels an image may have: ``max_pixels``, else Pillow's limit (None: none).
+
+    Pillow's limit is the one at which ``PIL.Image.open`` refuses a file,
+    ``2 * PIL.Image.MAX_IMAGE_PIXELS`` (178,956,970 pixels unless changed;
+    ``MAX_IMAGE_PIXELS = None`` turns it off), read at each call.
 
     Raises:
+        TypeError, ValueError: ``max_pixels`` is not a whole number of at least 1.
+    """
+    if max_pixels is None:
+        pillow = Image.MAX_IMAGE_PIXELS
+        return None if pillow is None else 2 * int(pillow)
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, numbers.Integral):
+        raise TypeError(f"max_pixels must be a whole number of pixels, got {max_pixels!r}")
+    if max_pixels < 1:
+        raise ValueError(f"max_pixels must be at least 1, got {max_pixels}")
+    return int(max_pixels)
+
+
+def image_size(raw: Buffer) -> tuple[int, int]:
+    """``(width, height)`` from the image's header, without decoding its pixels.
+
+    Raises:
+        UnidentifiedImageError: not a format Pillow identifies.
+        Exception: what Pillow raises for a damaged header.
+    """
+    with _open(raw) as image:
+        return image.size
+
+
+def _check_size(raw: Buffer, max_pixels: int | None, image: Image.Image | None = None) -> None:
+    """Raise :class:`ImageTooLargeError` if the header claims more pixels than the limit."""
+    limit = pixel_limit(max_pixels)
+    if limit is None:
+        return
+    width, height = image.size if image is not None else image_size(raw)
+    if width * height > limit:
+        raise ImageTooLargeError(
+            f"its header says {width}x{height} = {width * height:,} pixels, over the limit "
+            f"of {limit:,} (a damaged header or a decompression bomb: decoding it would take "
+            f"{width * height * 3 / 2**30:.1f} GiB). If the image is real, raise the limit: "
+            "max_pixels= of the dataset, build_lmdb and verify (--max-pixels). "
+            + see("data-lmdb-databases-datasets-loaders")
+        )
+
+
+def _open(raw: Buffer) -> Image.Image:
+    """``PIL.Image.open`` of ``raw`` (the header only) without Pillow's own pixel check.
+
+    The caller applies :func:`pixel_limit`, which may be set above Pillow's.
+    Raises what ``Image.open`` raises for bytes it cannot identify.
+    """
+    Image.init()
+    fp = io.BytesIO(raw)
+    prefix = bytes(raw[:16])
+    for name in Image.ID:
+        factory, accept = Image.OPEN[name]
+        result = accept(prefix) if accept is not None else True
+        if not result or isinstance(result, str):
+            continue
+        fp.seek(0)
+        try:
+            return factory(fp, "")
+        except (SyntaxError, IndexError, TypeError, struct.error):
+            continue  # as Image.open does: try the next format
+        except Image.DecompressionBombError as exc:  # a GIF frame larger than its screen
+            raise ImageTooLargeError(
+                f"{exc} If the image is real, raise the limit: max_pixels= (--max-pixels). "
+                + see("data-lmdb-databases-datasets-loaders")
+            ) from exc
+    raise UnidentifiedImageError("cannot identify image file")
+
+
+def decode_tensor(raw: Buffer, *, max_pixels: int | None = None) -> torch.Tensor:
+    """Decode encoded image bytes to a uint8 ``3 x H x W`` RGB tensor.
+
+    JPEG and WebP go through torchvision's decoders (grayscale, CMYK and
+    alpha converted to RGB); PNG, GIF (its first frame: torchvision's decoder
+    would make every frame) and the formats torchvision does not read (BMP,
+    TIFF ...) through Pillow. PNG is first checked whole (:func:`check_png`):
+    torchvision's PNG decoder kills the process on damaged data, and Pillow
+    silently pads a short one.
+
+    Args:
+        raw: the encoded bytes.
+        max_pixels: the most pixels an image may have (:func:`pixel_limit`;
+            default: Pillow's limit), checked from the header before decoding.
+
+    Raises:
+        ImageTooLargeError: the header claims more pixels than the limit.
         Exception: whatever the decoders raise for bytes that are not an image
             they can read (``ValueError``, ``RuntimeError``, ``OSError``,
             ``UnidentifiedImageError`` ...); never a crash.
     """
-    if _tv_decode is None or _kind(raw) not in ("jpeg", "webp", "gif"):
-        return _pillow_tensor(raw)  # PNG (checked there), BMP, TIFF ...
+    if _tv_decode is None or _kind(raw) not in ("jpeg", "webp"):
+        return _pillow_tensor(raw, max_pixels)  # PNG (checked there), GIF, BMP, TIFF ...
+    _check_size(raw, max_pixels)
     data = raw if isinstance(raw, bytearray) else bytearray(raw)  # frombuffer needs writable
     try:
         image: torch.Tensor = _tv_decode(
             torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB
         )
     except RuntimeError:
-        return _pillow_tensor(raw)  # Pillow says what is wrong, or reads what torchvision cannot
+        # Pillow says what is wrong, or reads what torchvision cannot
+        return _pillow_tensor(raw, max_pixels)
     if image.ndim == 4:  # an animated image: its first frame
         image = image[0]
+    if _kind(raw) == "jpeg" and _uniform_corner(image[:, -4:, -4:].reshape(3, -1)):
+        check_jpeg_data(raw)
     return image
 
 
-def decode_pil(raw: Buffer) -> Image.Image:
+def decode_pil(raw: Buffer, *, max_pixels: int | None = None) -> Image.Image:
     """Decode encoded image bytes to an RGB ``PIL.Image`` (alpha dropped, as ImageFolder does).
 
-    A PNG is checked whole first (:func:`check_png`), as for :func:`decode_tensor`.
+    The size is checked against ``max_pixels`` from the header first, and a
+    PNG is checked whole (:func:`check_png`), as for :func:`decode_tensor`.
+
+    Raises:
+        ImageTooLargeError: the header claims more pixels than the limit.
     """
-    if _kind(raw) == "png":
+    image = _open(raw)
+    _check_size(raw, max_pixels, image)
+    kind = _kind(raw)
+    if kind == "png":
         check_png(raw)
-    return _rgb(Image.open(io.BytesIO(raw)))
+    elif kind == "other" and image.format == "TIFF":
+        check_tiff_strips(image)
+    try:  # here, not lazily in a transform later: a short file is an error of decoding
+        image.load()
+    except Image.DecompressionBombError as exc:  # Pillow's own check inside its TIFF reader
+        raise ImageTooLargeError(
+            f"{exc} Pillow's readers of TIFF and GIF apply its own limit too: raise "
+            "PIL.Image.MAX_IMAGE_PIXELS as well as max_pixels. "
+            + see("data-lmdb-databases-datasets-loaders")
+        ) from exc
+    rgb = _rgb(image)
+    if kind == "jpeg":
+        corner = np.asarray(rgb.crop((rgb.width - 4, rgb.height - 4, rgb.width, rgb.height)))
+        if _uniform_corner(torch.from_numpy(corner.reshape(-1, 3).T.copy())):
+            check_jpeg_data(raw)
+    return rgb
+
+
+# Where a JPEG's compressed data end before its last row, libjpeg warns ("premature
+# end of data segment"), which neither torchvision nor Pillow report, and gives every
+# missing block the same flat value: a uniform bottom-right corner. Only then is the
+# data checked (a second decode), so a whole image costs nothing more.
+_FILLER_PROBE = bytes((k * 37 + 11) % 255 for k in range(2048))  # no 0xFF: not a marker
+
+
+def _uniform_corner(corner: torch.Tensor) -> bool:
+    """Whether the ``channels x pixels`` corner of a decoded image is one flat colour."""
+    return bool((corner == corner[:, :1]).all())
+
+
+def check_jpeg_data(raw: Buffer) -> None:
+    """Check that a JPEG's compressed data fill the size its header declares.
+
+    libjpeg fills the blocks past the end of short data with a flat colour and
+    says so only on stderr. Decoded again with bytes the decoder would skip
+    after complete data inserted before the end marker, a short image changes
+    where its data ran out; a whole one does not.
+
+    Raises:
+        ValueError: the data end before the image does (a truncated file, or a
+            header raised to more rows or columns than the data hold).
+    """
+    data = bytes(raw)
+    end = data.rfind(b"\xff\xd9")
+    end = len(data) if end < 0 else end
+    probed = data[:end] + _FILLER_PROBE + b"\xff\xd9"
+    short = not np.array_equal(_pillow_pixels(data), _pillow_pixels(probed))
+    # With restart markers the decoder stops at the end marker it finds in place of the
+    # next restart marker, probe or not: count the intervals instead.
+    if not short and (intervals := restart_intervals(data)) is not None:
+        held, needed = intervals
+        short = held < needed
+    if not short:
+        return
+    width, height = image_size(raw)
+    raise ValueError(
+        f"JPEG data end before the image does: its header says {width}x{height}, but the "
+        "compressed data fill only part of it (the decoder would pad the rest with a flat "
+        "colour); the file is truncated or its header damaged. "
+        + see("data-lmdb-databases-datasets-loaders")
+    )
+
+
+def _pillow_pixels(data: bytes) -> np.ndarray:
+    with _open(data) as image:
+        return np.asarray(image)
 
 
 def _rgb(image: Image.Image) -> Image.Image:
@@ -76,85 +257,6 @@ def _rgb(image: Image.Image) -> Image.Image:
     # As torchvision's ImageFolder loader does: alpha is dropped, not composited,
     # so decode="pil" and decode="tensor" see the same pixels.
     return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def check_png(raw: Buffer) -> None:
-    """Check a PNG's chunks (lengths, CRCs) and that its image data fill the declared size.
-
-    Raises:
-        ValueError: the file is cut short, a chunk is damaged, or the image
-            data hold fewer rows than the header declares.
-    """
-    pos, header, need, got = 8, None, 0, 0
-    inflate = zlib.decompressobj()
-    while True:
-        if pos + 12 > len(raw):
-            raise ValueError(f"PNG cut short at byte {len(raw)}: the file is truncated")
-        length, kind = struct.unpack_from(">I4s", raw, pos)
-        end = pos + 12 + length
-        if end > len(raw):
-            raise ValueError(f"PNG chunk {kind!r} runs past the end of the file: truncated")
-        body = bytes(raw[pos + 8 : end - 4])
-        if zlib.crc32(kind + body) != struct.unpack_from(">I", raw, end - 4)[0]:
-            raise ValueError(f"PNG chunk {kind!r} fails its checksum: the file is damaged")
-        if kind == b"IHDR":
-            header = struct.unpack(">IIBBBBB", body[:13])
-            need = _png_data_size(*header)
-        elif kind == b"IDAT" and header is not None:
-            got += _inflated_size(inflate, body, need - got + 1)
-        elif kind == b"IEND":
-            break
-        pos = end
-    if header is None:
-        raise ValueError("PNG without an IHDR header chunk: the file is damaged")
-    if got < need:
-        raise ValueError(
-            f"PNG image data hold {got} of the {need} bytes its {header[0]}x{header[1]} "
-            "header declares: the file is truncated or damaged"
-        )
-
-
-def _png_data_size(
-    width: int, height: int, depth: int, color: int, _c: int, _f: int, interlace: int
-) -> int:
-    """How many bytes of filtered rows a PNG's header promises (Adam7 passes when interlaced)."""
-    channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(color)
-    if channels is None or width == 0 or height == 0:
-        raise ValueError(f"PNG header is invalid (colour type {color}, {width}x{height})")
-    bits = channels * depth
-    passes = _ADAM7 if interlace else ((0, 0, 1, 1),)
-    total = 0
-    for x0, y0, dx, dy in passes:
-        w, h = -(-(width - x0) // dx), -(-(height - y0) // dy)
-        if w > 0 and h > 0:
-            total += h * (1 + -(-(w * bits) // 8))
-    return total
-
-
-_ADAM7 = (
-    (0, 0, 8, 8),
-    (4, 0, 8, 8),
-    (0, 4, 4, 8),
-    (2, 0, 4, 4),
-    (0, 2, 2, 4),
-    (1, 0, 2, 2),
-    (0, 1, 1, 2),
-)
-
-
-def _inflated_size(inflate: Any, data: bytes, limit: int) -> int:
-    """Inflate ``data`` and count the output (at most ``limit`` bytes), keeping none of it."""
-    got = 0
-    while data and got < limit:
-        try:
-            out = inflate.decompress(data, min(limit - got, 1 << 20))
-        except zlib.error as exc:
-            raise ValueError(f"PNG image data are not valid zlib data ({exc})") from exc
-        got += len(out)
-        data = inflate.unconsumed_tail
-        if not out:
-            break
-    return got
 
 
 def _kind(raw: Buffer) -> str:
@@ -170,14 +272,15 @@ def _kind(raw: Buffer) -> str:
     return "other"
 
 
-def check_image(data: Buffer | None, level: Check) -> str | None:
+def check_image(data: Buffer | None, level: Check, *, max_pixels: int | None = None) -> str | None:
     """Why ``data`` is not a usable image at ``level``, or None when it is.
 
     Args:
         data: the encoded bytes (None: a record that is missing).
         level: ``"none"`` (non-empty), ``"header"`` (Pillow identifies the
-            format and size) or ``"decode"`` (:func:`decode_tensor` succeeds:
-            exactly what the dataset does).
+            format and size, within ``max_pixels``) or ``"decode"``
+            (:func:`decode_tensor` succeeds: exactly what the dataset does).
+        max_pixels: the most pixels an image may have (:func:`pixel_limit`).
     """
     if data is None:
         return "no record under its key: the database is damaged"
@@ -185,10 +288,10 @@ def check_image(data: Buffer | None, level: Check) -> str | None:
         return "empty (0 bytes)"
     try:
         if level == "decode":
-            decode_tensor(data)
+            decode_tensor(data, max_pixels=max_pixels)
         elif level == "header":
-            with Image.open(io.BytesIO(data)):  # reads the header only
-                pass
+            with _open(data) as image:  # reads the header only
+                _check_size(data, max_pixels, image)
     except UnidentifiedImageError:
         return "not an image format PIL can identify"
     # Whatever a damaged file makes a decoder raise (RuntimeError, OSError,
@@ -199,24 +302,32 @@ def check_image(data: Buffer | None, level: Check) -> str | None:
 
 
 def prepare_image(
-    data: Buffer | None, check: Check, max_side: int | None, quality: int
+    data: Buffer | None,
+    check: Check,
+    max_side: int | None,
+    quality: int,
+    *,
+    max_pixels: int | None = None,
 ) -> tuple[bytes | None, str]:
     """What the builder stores for one image: ``(bytes, "")`` or ``(None, why not)``.
 
     The bytes are ``data`` as read, or a smaller RGB JPEG at ``quality`` when
-    the longer side exceeds ``max_side``. Runs in worker threads: decoding,
-    resizing and encoding release the GIL.
+    the longer side exceeds ``max_side``. An image of more pixels than
+    ``max_pixels`` allows is refused at every ``check`` but ``"none"``, and
+    before shrinking. Runs in worker threads: decoding, resizing and encoding
+    release the GIL.
     """
-    problem = check_image(data, check)
+    problem = check_image(data, check, max_pixels=max_pixels)
     if problem is not None:
         return None, problem
     assert data is not None
     if max_side is None:
         return bytes(data), ""
     try:
-        if _kind(data) == "png":  # shrinking decodes it: Pillow would pad a short one silently
-            check_png(data)
-        with Image.open(io.BytesIO(data)) as image:  # reads the header only
+        with _open(data) as image:  # reads the header only
+            _check_size(data, max_pixels, image)  # shrinking decodes it whole
+            if _kind(data) == "png":  # Pillow would pad a short one silently
+                check_png(data)
             if max(image.size) <= max_side:
                 return bytes(data), ""
             return _shrink(image, max_side, quality), ""
@@ -236,6 +347,6 @@ def _shrink(image: Image.Image, max_side: int, quality: int) -> bytes:
     return out.getvalue()
 
 
-def _pillow_tensor(raw: Buffer) -> torch.Tensor:
-    array = np.array(decode_pil(raw))
+def _pillow_tensor(raw: Buffer, max_pixels: int | None) -> torch.Tensor:
+    array = np.array(decode_pil(raw, max_pixels=max_pixels))
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()

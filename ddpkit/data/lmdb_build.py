@@ -23,9 +23,11 @@ import numpy as np
 import pyarrow as pa
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
+from ddpkit._docs import see
 from ddpkit.data.build_output import check_output, move_into_place, temp_output
-from ddpkit.data.images import Check, prepare_image
+from ddpkit.data.images import Check, pixel_limit, prepare_image
 from ddpkit.data.lmdb_index import INDEX_KEY, encode_index_buffer, sample_key
+from ddpkit.data.lmdb_pages import PageEstimate
 from ddpkit.data.lmdb_sources import (
     Sample,
     Source,
@@ -34,16 +36,20 @@ from ddpkit.data.lmdb_sources import (
     list_source,
     parquet_source,
 )
-from ddpkit.data.threads import ordered_map
+from ddpkit.data.threads import check_workers, ordered_map
 from ddpkit.devices import usable_cpus
 from ddpkit.files import is_no_space, is_quota, no_space
 
-__all__ = ["BuildSummary", "ImageError", "build_lmdb"]
+__all__ = ["MAX_MAP_SIZE", "MIN_MAP_SIZE", "BuildSummary", "ImageError", "build_lmdb"]
 
 _COMMIT_SAMPLES = 1000
 _COMMIT_BYTES = 256 << 20
 # A modest first reservation: the map doubles whenever a batch does not fit.
 _INITIAL_MAP_SIZE = 1 << 30
+# LMDB reserves the whole map in the address space (128 TiB on x86-64 Linux); a page
+# is the least it can hold.
+MIN_MAP_SIZE = 4096
+MAX_MAP_SIZE = 64 << 40
 
 
 class ImageError(ValueError):
@@ -105,6 +111,7 @@ def build_lmdb(
     overwrite: bool = False,
     progress: bool = True,
     allow_empty: bool = False,
+    max_pixels: int | None = None,
 ) -> BuildSummary:
     """Write the images of ``source`` and their labels into a new database at ``output``.
 
@@ -124,7 +131,7 @@ def build_lmdb(
         image_column: Parquet: a binary column, or a struct with a ``bytes``
             field (and optionally ``path``), as Hugging Face ``datasets`` writes.
         label_column: Parquet: an integer or string column.
-        workers: threads reading and checking images (default: usable CPUs).
+        workers: threads reading and checking images, 1..1024 (default: usable CPUs).
         max_side: images whose longer side exceeds it are shrunk to it (aspect
             kept, alpha dropped) and stored as RGB JPEG at ``quality``.
         quality: JPEG quality of shrunk images, 1..100.
@@ -132,12 +139,16 @@ def build_lmdb(
             and size) or ``"decode"`` (full decode).
         on_error: ``"fail"`` raises on the first bad image; ``"skip"`` leaves it
             out and lists it in :attr:`BuildSummary.skipped`.
-        map_size: the first LMDB map size in bytes (default 1 GiB); it doubles when full.
+        map_size: the first LMDB map size in bytes, 4 KiB to 64 TiB (default 1 GiB); it
+            doubles when full.
         overwrite: replace a database at ``output`` once the new one is complete;
             only an LMDB database is ever replaced.
         progress: show a tqdm bar on stderr when it is a terminal.
         allow_empty: write a database even when no image could be stored
             (by default that is an ``ImageError`` and nothing is written).
+        max_pixels: the most pixels an image may have, checked from its header
+            (``check="header"`` or ``"decode"``; default: Pillow's limit, see
+            :func:`ddpkit.data.images.pixel_limit`); a larger one is a bad image.
 
     Returns:
         A :class:`BuildSummary`.
@@ -160,20 +171,24 @@ def build_lmdb(
     """
     # "db/" and "db" are one output: a trailing separator must not hide a link.
     source, output = os.fspath(source), _strip_separators(os.fspath(output))
+    check_workers(workers)
+    pixel_limit(max_pixels)
     workers = usable_cpus() if workers is None else workers
     _check_choice("source_format", source_format, ("auto", "imagefolder", "list", "parquet"))
     _check_choice("check", check, ("none", "header", "decode"))
     _check_choice("on_error", on_error, ("fail", "skip"))
-    for name, value, low in [
-        ("workers", workers, 1),
-        ("max_side", max_side, 1),
-        ("quality", quality, 1),
-        ("map_size", map_size, 4096),
-    ]:
+    for name, value, low in [("max_side", max_side, 1), ("quality", quality, 1)]:
         if value is not None and value < low:
             raise ValueError(f"{name} must be at least {low}; got {value}")
     if quality > 100:
         raise ValueError(f"quality must lie in 1..100; got {quality}")
+    if map_size is not None and not MIN_MAP_SIZE <= map_size <= MAX_MAP_SIZE:
+        raise ValueError(
+            f"map_size must lie in {MIN_MAP_SIZE}..{MAX_MAP_SIZE} bytes (4 KiB to 64 TiB; "
+            f"--map-size 4K to 64T); got {map_size}. LMDB reserves the whole map in the "
+            "address space, and it doubles when full, so a small start is fine. "
+            + see("data-lmdb-databases-datasets-loaders")
+        )
     if source.strip() and not os.path.exists(source):
         raise FileNotFoundError(f"{source}: no such file or directory to build a database from")
     check_output(source, output, overwrite)
@@ -197,7 +212,9 @@ def build_lmdb(
         raise ImageError(f"{where}: {reason}. {_FIX}")
     start = time.perf_counter()
     tmp = temp_output(output)
-    prepare = partial(_prepare_chunk, check=check, max_side=max_side, quality=quality)
+    prepare = partial(
+        _prepare_chunk, check=check, max_side=max_side, quality=quality, max_pixels=max_pixels
+    )
     metadata = {
         "source": os.path.abspath(source),
         "source_format": fmt,
@@ -241,7 +258,7 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def _prepare_chunk(
-    chunk: list[Sample], *, check: Check, max_side: int | None, quality: int
+    chunk: list[Sample], *, check: Check, max_side: int | None, quality: int, max_pixels: int | None
 ) -> list[tuple[bytes | None, str]]:
     """``(bytes to store, "")`` or ``(None, why it is unusable)`` for each image.
 
@@ -257,7 +274,7 @@ def _prepare_chunk(
             except OSError as exc:  # a fact about this image, like a damaged file
                 prepared.append((None, f"{type(exc).__name__}: {exc}"))
                 continue
-        prepared.append(prepare_image(data, check, max_side, quality))
+        prepared.append(prepare_image(data, check, max_side, quality, max_pixels=max_pixels))
     return prepared
 
 
@@ -273,13 +290,15 @@ class _Written:
 
     def __init__(self, env: lmdb.Environment) -> None:
         self.env = env
+        self.pages = PageEstimate(env.stat()["psize"])
         self.labels = array("q")
         self.name_offsets = array("q", [0])  # Arrow's offsets: where each name starts and ends
         self.names = bytearray()
         self.skipped: list[tuple[str, str]] = []
         self.bytes = 0
 
-    def add(self, label: int, name: str) -> None:
+    def add(self, label: int, name: str, size: int) -> None:
+        self.pages.add(size)
         self.labels.append(label)
         self.names += name.encode("utf-8", "surrogateescape")
         self.name_offsets.append(len(self.names))
@@ -307,7 +326,7 @@ class _Written:
             self.env.sync(True)
         except (lmdb.Error, OSError) as exc:
             if is_no_space(exc):
-                needed = self.bytes + len(index)
+                needed = self.pages.bytes() + self.pages.record(len(index))
                 raise no_space(self.env.path(), needed, quota=is_quota(exc)) from exc
             raise
         finally:
@@ -326,16 +345,23 @@ def _write(
 ) -> _Written:
     # No fsync per commit: an unfinished build is thrown away, so only the end must be durable.
     # No lock file: one writer owns the directory, and a lock map on a full tmpfs can SIGBUS.
-    env = lmdb.open(
-        tmp,
-        subdir=True,
-        map_size=map_size,
-        lock=False,
-        readahead=False,
-        meminit=False,
-        sync=False,
-        metasync=False,
-    )
+    try:
+        env = lmdb.open(
+            tmp,
+            subdir=True,
+            map_size=map_size,
+            lock=False,
+            readahead=False,
+            meminit=False,
+            sync=False,
+            metasync=False,
+        )
+    except lmdb.MemoryError as exc:  # the address space (or `ulimit -v`) has no room for it
+        raise ValueError(
+            f"map_size={map_size} bytes ({map_size / 2**30:.1f} GiB) cannot be reserved in this "
+            f"process's address space ({exc}); pass a smaller map_size (--map-size): it "
+            "doubles when full. " + see("data-lmdb-databases-datasets-loaders")
+        ) from exc
     written = _Written(env)
     batch: list[tuple[bytes, bytes]] = []
     batch_bytes = 0
@@ -355,9 +381,10 @@ def _write(
                         written.skipped.append((where, reason))
                         continue
                     batch.append((sample_key(len(written.labels)), data))
-                    written.add(sample.label, sample.name)
+                    written.add(sample.label, sample.name, len(data))
                     batch_bytes += len(data)
                 if len(batch) >= _COMMIT_SAMPLES or batch_bytes >= _COMMIT_BYTES:
+                    written.pages.commits += 1
                     _put_all(env, batch, append=True)
                     written.bytes, batch, batch_bytes = written.bytes + batch_bytes, [], 0
                 bar.update(len(chunk))
@@ -366,9 +393,12 @@ def _write(
     except BaseException as exc:
         env.close()
         if isinstance(exc, lmdb.Error | OSError) and is_no_space(exc):
-            # What the whole build would need, from what the images read so far took.
-            done = len(written.labels) + len(written.skipped) + len(batch)
-            needed = (written.bytes + batch_bytes) * src.total // max(done, 1)
+            # What the whole build would need, in LMDB's pages, from the images so far;
+            # the index record stores about 50 bytes per sample.
+            done = len(written.labels) + len(written.skipped)
+            scale = src.total / max(done, 1)
+            index = 64 * src.total + 4096 + len(written.names) * src.total // max(done, 1)
+            needed = written.pages.bytes(scale) + written.pages.record(index)
             raise no_space(tmp, needed, quota=is_quota(exc)) from exc
         raise
     return written

@@ -21,7 +21,7 @@ import lmdb
 import numpy as np
 from torch.utils.data import Dataset
 
-from ddpkit.data.images import decode_pil, decode_tensor
+from ddpkit.data.images import decode_pil, decode_tensor, pixel_limit
 from ddpkit.data.lmdb_format import (
     LEGACY_KEYS,
     Identity,
@@ -54,12 +54,16 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
             stored bytes.
         readahead: let the OS read ahead in the file. Off by default: random
             access over a dataset larger than RAM only wastes I/O with it.
+        max_pixels: the most pixels a stored image may have, checked from its
+            header before decoding (default: Pillow's limit,
+            :func:`ddpkit.data.images.pixel_limit`); a larger one is an
+            ``LMDBFormatError`` naming its size, not a tensor of many GB.
 
     Raises:
         FileNotFoundError: a path does not exist.
         LMDBFormatError: a path is not a ddpkit LMDB (the message says how to
             convert a folder2lmdb database) or the shards' classes differ.
-        ValueError: an unknown ``decode``.
+        ValueError: an unknown ``decode``, or ``max_pixels`` below 1.
 
     Example:
         >>> train = LazyLMDBDataset("data/train.lmdb", train_transform(224))
@@ -74,9 +78,12 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         *,
         decode: Decode = "tensor",
         readahead: bool = False,
+        max_pixels: int | None = None,
     ) -> None:
         if decode not in _DECODES:
             raise ValueError(f"decode must be one of {_DECODES}, got {decode!r}")
+        pixel_limit(max_pixels)  # refuses a bad value now, not in a worker later
+        self.max_pixels = max_pixels
         paths = [path] if isinstance(path, str | os.PathLike) else list(path)
         if not paths:
             raise ValueError("LazyLMDBDataset needs at least one database path")
@@ -201,8 +208,8 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
             return bytes(raw)
         try:
             if self.decode == "pil":
-                return decode_pil(raw)
-            return decode_tensor(raw)
+                return decode_pil(raw, max_pixels=self.max_pixels)
+            return decode_tensor(raw, max_pixels=self.max_pixels)
         except Exception as exc:
             shard, local = self._locate(index)
             raise LMDBFormatError(

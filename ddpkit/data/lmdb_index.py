@@ -114,12 +114,16 @@ def encode_index_buffer(
         ValueError: a label outside ``0..len(classes)-1`` or a column whose
             length differs from the number of labels.
     """
+    # Checked before the cast to int64, which would turn a uint64 label above 2**63 negative.
+    if len(labels):
+        given = labels if isinstance(labels, np.ndarray) else np.asarray(labels, dtype=object)
+        low, high = int(given.min()), int(given.max())
+        if low < 0 or high >= len(classes):
+            raise ValueError(
+                f"labels must lie in 0..{len(classes) - 1} for {len(classes)} classes, got "
+                f"{low}..{high}"
+            )
     label_array = np.asarray(labels, dtype=np.int64)
-    if label_array.size and (label_array.min() < 0 or label_array.max() >= len(classes)):
-        raise ValueError(
-            f"labels must lie in 0..{len(classes) - 1} for {len(classes)} classes, got "
-            f"{int(label_array.min())}..{int(label_array.max())}"
-        )
     data: dict[str, Any] = {"label": pa.array(label_array, type=pa.int64())}
     for name, values in (columns or {}).items():
         if len(values) != len(label_array):
@@ -167,6 +171,11 @@ def decode_index(
         raise LMDBFormatError(
             f"{source}: the index record is not readable Arrow data: {exc}"
         ) from exc
+    twice = sorted({name for name in table.column_names if table.column_names.count(name) > 1})
+    if twice:  # one name, two columns: which one is meant is unknown
+        raise _damaged_index(
+            source, f"it has more than one column named {', '.join(map(repr, twice))}"
+        )
     try:
         meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
     except UnicodeDecodeError as exc:
@@ -244,14 +253,17 @@ def _labels(table: pa.Table, source: str, num_classes: int) -> np.ndarray:
         raise _damaged_index(source, f"its 'label' column holds {column.type}, not integers")
     if column.null_count:
         raise _damaged_index(source, f"its 'label' column has {column.null_count} empty value(s)")
-    # Copy: the record may live in a memory map that closes with its environment.
-    labels: np.ndarray = column.to_numpy().astype(np.int64, copy=True)
-    bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+    # Checked in the column's own type: a uint64 label above 2**63 cast to int64
+    # first would be reported as a negative number it never was.
+    values = column.to_numpy()
+    bad = np.flatnonzero((values < 0) | (values >= num_classes))
     if bad.size:
         first = int(bad[0])
         raise _damaged_index(
             source,
-            f"sample {first} has label {int(labels[first])}, outside the {num_classes} classes "
-            f"(0..{num_classes - 1}); {bad.size} label(s) are out of range",
+            f"sample {first} has label {values[first].item()}, outside the {num_classes} "
+            f"classes (0..{num_classes - 1}); {bad.size} label(s) are out of range",
         )
+    # Copy: the record may live in a memory map that closes with its environment.
+    labels: np.ndarray = values.astype(np.int64, copy=True)
     return labels

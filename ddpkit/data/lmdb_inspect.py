@@ -18,7 +18,7 @@ import lmdb
 import numpy as np
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
-from ddpkit.data.images import check_image
+from ddpkit.data.images import check_image, pixel_limit
 from ddpkit.data.lmdb_format import (
     FORMAT_NAME,
     LMDBFormatError,
@@ -26,7 +26,7 @@ from ddpkit.data.lmdb_format import (
     read_index,
     sample_key,
 )
-from ddpkit.data.threads import ordered_map
+from ddpkit.data.threads import check_workers, ordered_map
 from ddpkit.devices import usable_cpus
 
 __all__ = ["BadSample", "VerifyReport", "describe_lmdb", "verify_lmdb", "verify_report"]
@@ -72,21 +72,30 @@ class VerifyReport:
 
 
 def verify_report(
-    path: str | os.PathLike[str], *, workers: int | None = None, progress: bool = False
+    path: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    progress: bool = False,
+    max_pixels: int | None = None,
 ) -> VerifyReport:
     """Decode every sample of a database in parallel threads, as the dataset would.
 
     Args:
         path: the database.
-        workers: decoding threads (default: usable CPUs).
+        workers: decoding threads, 1..1024 (default: usable CPUs).
         progress: show a tqdm bar on stderr when it is a terminal.
+        max_pixels: the most pixels an image may have, as the dataset's
+            ``max_pixels`` (default: Pillow's limit); a larger one is listed.
 
     Returns:
         A :class:`VerifyReport`: the count and every record that does not decode.
 
     Raises:
         FileNotFoundError, LMDBFormatError: ``path`` is not a ddpkit database.
+        ValueError, TypeError: ``workers`` is not a whole number in 1..1024.
     """
+    check_workers(workers)
+    pixel_limit(max_pixels)
     path = os.fspath(path)
     try:
         index = read_index(path, columns=("path",))
@@ -95,7 +104,7 @@ def verify_report(
         index = read_index(path)  # built without a path column
         names = [""] * len(index)
     bad: list[BadSample] = []
-    decode = partial(_check_chunk, names=names)
+    decode = partial(_check_chunk, names=names, max_pixels=max_pixels)
     threads = workers or usable_cpus()
     with (
         env_for_reading(path) as env,
@@ -128,7 +137,11 @@ def _records(env: lmdb.Environment, count: int) -> Iterator[tuple[int, bytes | s
 
 
 def verify_lmdb(
-    path: str | os.PathLike[str], *, workers: int | None = None, progress: bool = False
+    path: str | os.PathLike[str],
+    *,
+    workers: int | None = None,
+    progress: bool = False,
+    max_pixels: int | None = None,
 ) -> list[tuple[int, str]]:
     """``(index, reason)`` of each sample that does not decode; empty when all do.
 
@@ -139,7 +152,7 @@ def verify_lmdb(
         >>> for index, reason in verify_lmdb("data/train.lmdb"):  # doctest: +SKIP
         ...     print(index, reason)
     """
-    report = verify_report(path, workers=workers, progress=progress)
+    report = verify_report(path, workers=workers, progress=progress, max_pixels=max_pixels)
     return [(b.index, b.describe()) for b in report.bad]
 
 
@@ -175,12 +188,14 @@ def describe_lmdb(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _check_chunk(
-    chunk: list[tuple[int, bytes | str | None]], *, names: Sequence[str]
+    chunk: list[tuple[int, bytes | str | None]], *, names: Sequence[str], max_pixels: int | None
 ) -> list[BadSample]:
     """The records of ``chunk`` that do not decode (runs in a worker thread)."""
     found = []
     for index, data in chunk:
-        reason = data if isinstance(data, str) else check_image(data, "decode")
+        reason = (
+            data if isinstance(data, str) else check_image(data, "decode", max_pixels=max_pixels)
+        )
         if reason is not None:
             found.append(BadSample(index, names[index], reason))
     return found

@@ -284,6 +284,12 @@ def _parquet_labels(
     import pyarrow.compute as pc
 
     text = any(pa.types.is_string(p.type) or pa.types.is_large_string(p.type) for p in parts)
+    for part in parts:  # the index stores int64: a larger label is refused, not wrapped
+        if pa.types.is_uint64(part.type) and (top := pc.max(part).as_py()) and top >= 2**63:
+            raise ValueError(
+                f"{source}: a label is {top}, not one of the classes (labels are class "
+                f"indices, 0..number of classes - 1)"
+            )
     column = pa.chunked_array([p.cast(pa.large_string() if text else pa.int64()) for p in parts])
     if text:
         found = pc.unique(column.drop_null()).to_pylist()

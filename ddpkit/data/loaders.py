@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import multiprocessing
+import multiprocessing.context
+import numbers
 import os
 import select
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from typing import Any
 
 import numpy as np
@@ -24,6 +27,7 @@ from torch.utils.data import (
 )
 
 from ddpkit import comm
+from ddpkit._docs import see
 from ddpkit.data.samplers import (
     DistributedEvalSampler,
     EpochIndexSampler,
@@ -68,6 +72,66 @@ def _per_process_batch(batch_size: int | None, global_batch_size: int | None, wo
             f"use {' or '.join(map(str, nearest))}, or pass batch_size={max(per, 1)} per process"
         )
     return per
+
+
+# A worker is a process holding a dataset copy and prefetched batches: more than
+# this is a typo, and would exhaust the machine before the first batch.
+MAX_LOADER_WORKERS = 1024
+_SEED_RANGE = (0, 2**63 - 1)  # torch.Generator.manual_seed(seed + epoch) must accept it
+
+
+def _check_arguments(**given: Any) -> None:
+    """Refuse a wrongly typed or out-of-range ``build_loader`` argument, naming it.
+
+    Runs before anything is built: DataLoader's own errors name neither the
+    argument nor the value ("Overflow when unpacking long long"), and some
+    (a bare AssertionError) leave a half-made loader behind.
+    """
+    for name in ("batch_size", "global_batch_size", "workers", "prefetch_factor", "seed"):
+        value = given[name]
+        if value is None and name != "seed":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(_bad(name, value, "a whole number"))
+    for name, low, high in [
+        ("batch_size", 1, None),
+        ("global_batch_size", 1, None),
+        ("workers", 0, MAX_LOADER_WORKERS),
+        ("prefetch_factor", 1, None),
+        ("seed", *_SEED_RANGE),
+    ]:
+        value = given[name]
+        if value is not None and (value < low or (high is not None and value > high)):
+            span = f"{low}..{high}" if high is not None else f"at least {low}"
+            raise ValueError(_bad(name, value, span))
+    if not isinstance(given["train"], bool):
+        raise TypeError(_bad("train", given["train"], "True or False"))
+    for name in ("drop_last", "pin_memory", "persistent_workers"):
+        if given[name] is not None and not isinstance(given[name], bool):
+            raise TypeError(_bad(name, given[name], "True, False or None"))
+    if given["info"] is not None and not isinstance(given["info"], DistInfo):
+        raise TypeError(_bad("info", given["info"], "a ddpkit.DistInfo or None"))
+    if given["collate_fn"] is not None and not callable(given["collate_fn"]):
+        raise TypeError(_bad("collate_fn", given["collate_fn"], "a function or None"))
+    if not isinstance(given["dataset"], Sized):
+        raise TypeError(_bad("dataset", given["dataset"], "a map-style dataset with __len__"))
+    context = given["multiprocessing_context"]
+    methods = multiprocessing.get_all_start_methods()
+    if not (
+        context is None
+        or (isinstance(context, str) and context in methods)
+        or isinstance(context, multiprocessing.context.BaseContext)
+    ):
+        raise ValueError(
+            _bad("multiprocessing_context", context, f"None, one of {methods} or a context")
+        )
+
+
+def _bad(name: str, value: Any, wanted: str) -> str:
+    shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
+    return f"build_loader: {name} must be {wanted}, got {shown} ({type(value).__name__}). " + see(
+        "data-lmdb-databases-datasets-loaders"
+    )
 
 
 def _default_workers(local_world_size: int) -> int:
@@ -192,9 +256,14 @@ def build_loader(
 
     Raises:
         ValueError: both or neither batch size, one below 1, a global batch
-            size that does not divide over the ranks, ``workers < 0``, or a
-            batch larger than the dataset with ``drop_last`` (0 batches an epoch).
-        TypeError: ``dataset`` is an ``IterableDataset`` (no sampler applies).
+            size that does not divide over the ranks, ``workers`` outside
+            0..1024, ``prefetch_factor`` below 1, ``seed`` outside 0..2**63-1,
+            an unknown start method, or a batch larger than the dataset with
+            ``drop_last`` (0 batches an epoch). Checked before anything is built.
+        TypeError: ``dataset`` is an ``IterableDataset`` (no sampler applies)
+            or has no ``__len__``; a count or seed that is not a whole number
+            (``bool`` included), a flag that is not a ``bool``, ``info`` that is
+            not a ``DistInfo``, ``collate_fn`` that is not callable.
 
     Example:
         >>> info = ddpkit.init_distributed()
@@ -206,11 +275,29 @@ def build_loader(
             f"build_loader needs a map-style dataset (with __len__), got the IterableDataset "
             f"{type(dataset).__name__}; shard it over ranks and workers yourself instead"
         )
+    _check_arguments(
+        dataset=dataset,
+        batch_size=batch_size,
+        global_batch_size=global_batch_size,
+        train=train,
+        workers=workers,
+        seed=seed,
+        drop_last=drop_last,
+        info=info,
+        pin_memory=pin_memory,
+        persistent_workers=persistent_workers,
+        prefetch_factor=prefetch_factor,
+        collate_fn=collate_fn,
+        multiprocessing_context=multiprocessing_context,
+    )
+    # NumPy integers pass the checks; DataLoader takes only Python ints.
+    batch_size, global_batch_size, prefetch_factor = (
+        None if v is None else int(v) for v in (batch_size, global_batch_size, prefetch_factor)
+    )
     world, rank, local_world = _job_shape(info)
     per_process = _per_process_batch(batch_size, global_batch_size, world)
-    workers = _default_workers(local_world) if workers is None else workers
-    if workers < 0:
-        raise ValueError(f"workers must be >= 0 (0 loads in this process), got {workers}")
+    workers = _default_workers(local_world) if workers is None else int(workers)
+    seed = int(seed)
     drop_last = train if drop_last is None else drop_last
     if pin_memory is None:
         pin_memory = torch.cuda.is_available() and (info is None or info.device.type == "cuda")

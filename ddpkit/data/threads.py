@@ -11,9 +11,28 @@ from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-__all__ = ["ordered_map"]
+__all__ = ["MAX_WORKERS", "check_workers", "ordered_map"]
 
 CHUNK = 16  # items per task handed to a worker thread
+# More threads than this only add memory (4 chunks each in flight) and start-up time.
+MAX_WORKERS = 1024
+
+
+def check_workers(workers: int | None) -> None:
+    """Refuse a thread count that is not a whole number in ``1..MAX_WORKERS`` (None: default).
+
+    Raises:
+        TypeError: not an integer (``bool`` included).
+        ValueError: outside ``1..MAX_WORKERS``.
+    """
+    if workers is None:
+        return
+    if isinstance(workers, bool) or not isinstance(workers, int):
+        raise TypeError(f"workers must be a whole number of threads, got {workers!r}")
+    if not 1 <= workers <= MAX_WORKERS:
+        raise ValueError(f"workers must lie in 1..{MAX_WORKERS} threads; got {workers}")
+
+
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import errno
+import math
+import random
+import re
 import struct
 import zipfile
 from pathlib import Path
@@ -104,7 +107,7 @@ def test_a_full_disk_is_named_and_the_previous_file_kept(tmp_path: Path) -> None
         with pytest.raises(OSError, match="No space left on") as info:
             save_checkpoint({"w": torch.ones(1 << 20)}, path)  # 4 MiB on a 1 MiB disk
         assert info.value.errno == errno.ENOSPC
-        assert "about 4.0 MiB needed" in str(info.value)
+        assert "about 4.1 MiB needed" in str(info.value)  # 4 MiB and the file format, rounded up
         assert "free" in str(info.value)
         assert path.read_bytes() == before
         assert sorted(p.name for p in disk.iterdir()) == ["ckpt.pth"]  # no temporary left
@@ -169,3 +172,58 @@ def test_shared_storages_count_once_in_the_room_a_save_needs() -> None:
     weight = torch.zeros(1000)
     views = {f"v{i}": weight[i : i + 1] for i in range(100)}
     assert payload_bytes({"a": weight, "tied": weight, **views}) < 2 * weight.nbytes
+
+
+def _random_tree(root: Path, count: int, low: int, high: int, seed: int) -> Path:
+    """``count`` files of ``low..high`` random bytes after a JPEG signature, in two classes."""
+    rng = random.Random(seed)
+    for i in range(count):
+        path = root / f"c{i % 2}" / f"{i:05d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\xff\xd8\xff" + rng.randbytes(rng.randint(low, high) - 3))
+    return root
+
+
+def _needed(message: str) -> int:
+    number, unit = re.search(r"about ([\d.]+) (MiB|KiB) needed", message).groups()  # type: ignore[union-attr]
+    return math.ceil(float(number) * (2**20 if unit == "MiB" else 2**10))
+
+
+def test_the_room_a_full_disk_build_asks_for_is_enough(tmp_path: Path) -> None:
+    # 5 KiB images take two 4 KiB pages each: the image bytes alone are far too few.
+    tree = _random_tree(tmp_path / "imgs", 600, 4500, 5500, seed=3)
+    with small_disk(tmp_path, "512k") as disk:
+        if disk is None:
+            pytest.skip("cannot mount a small tmpfs here (needs root on Linux)")
+        with pytest.raises(OSError, match="No space left on") as info:
+            build_lmdb(tree, disk / "db", check="none", progress=False)
+    needed = _needed(str(info.value))
+    images = sum(p.stat().st_size for p in tree.rglob("*.jpg"))
+    assert needed > images * 1.4  # counts LMDB's pages, not only the image bytes
+    with small_disk(tmp_path, f"{needed // 1024 + 1}k") as disk:
+        assert disk is not None
+        build_lmdb(tree, disk / "db", check="none", progress=False)  # that much is enough
+        actual = (disk / "db" / "data.mdb").stat().st_size
+    assert needed <= actual * 1.25
+
+
+@pytest.mark.parametrize(
+    ("count", "low", "high"),
+    [(40, 300, 1500), (300, 1500, 2100), (400, 3000, 9000), (1500, 100, 30000)],
+)
+def test_the_size_estimate_covers_a_real_build(
+    tmp_path: Path, count: int, low: int, high: int
+) -> None:
+    from ddpkit.data.lmdb_pages import PageEstimate
+
+    tree = _random_tree(tmp_path / "imgs", count, low, high, seed=count)
+    build_lmdb(tree, tmp_path / "db", check="none", progress=False)
+    actual = (tmp_path / "db" / "data.mdb").stat().st_size
+    files = sorted(tree.rglob("*.jpg"), key=lambda p: (p.parent.name, p.name))
+    estimate = PageEstimate(4096)
+    for k, path in enumerate(files, 1):
+        estimate.add(path.stat().st_size)
+        estimate.commits += k % 1000 == 0
+    names = sum(len(f"{p.parent.name}/{p.name}") for p in files)
+    needed = estimate.bytes() + estimate.record(64 * count + 4096 + names)
+    assert actual <= needed <= actual * 1.1 + 128 * 1024

@@ -323,3 +323,98 @@ def test_a_database_replaced_while_its_index_is_read(
     monkeypatch.setattr(dataset_module, "read_index", swap_after_reading)
     with pytest.raises(LMDBFormatError, match="was replaced while its index was read"):
         LazyLMDBDataset(small)
+
+
+def _record_of(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def _twice(names: list[str]) -> pa.Table:
+    arrays = [pa.array([0, 1, 1]) if n == "label" else pa.array(["x", "y", "z"]) for n in names]
+    return pa.Table.from_arrays(arrays, names=names).replace_schema_metadata(_index())
+
+
+@pytest.mark.parametrize(
+    "names",
+    [["label", "label"], ["label", "path", "path"], ["path", "label", "label", "path"]],
+)
+def test_a_column_name_given_twice_is_refused(names: list[str]) -> None:
+    with pytest.raises(LMDBFormatError, match="the index record is damaged") as info:
+        decode_index(_record_of(_twice(names)), source="db", columns=("path",))
+    assert "more than one column named" in str(info.value)
+
+
+def _with_index(database: Path, target: Path, record: bytes) -> Path:
+    shutil.copytree(database, target)
+    env = lmdb.open(str(target), map_size=64 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(INDEX_KEY, record)
+    env.close()
+    return target
+
+
+def _every_reader(path: Path, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """What info, verify and the dataset say about ``path``: each an LMDBFormatError."""
+    said = []
+    for command in ("info", "verify"):
+        assert main(["lmdb", command, str(path)]) == 1
+        said.append(capsys.readouterr().err)
+    with pytest.raises(LMDBFormatError) as info:
+        LazyLMDBDataset(path)
+    said.append(str(info.value))
+    with pytest.raises(LMDBFormatError):
+        describe_lmdb(path)
+    return said
+
+
+def test_two_label_columns_are_named_by_every_reader(
+    database: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    labels = pa.array([0, 1] * 3)
+    table = pa.Table.from_arrays([labels, labels], names=["label", "label"])
+    record = _record_of(table.replace_schema_metadata(_index(num_samples="6")))
+    for said in _every_reader(_with_index(database, tmp_path / "copy", record), capsys):
+        assert "more than one column named 'label'" in said, said
+
+
+@pytest.mark.parametrize("value", [2**63 + 1, 2**64 - 1, 2**63])
+def test_a_uint64_label_beyond_int64_is_reported_as_stored(
+    database: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], value: int
+) -> None:
+    labels = pa.array([0, 1, value, 1, 0, 1], pa.uint64())
+    record = _record({"label": labels}, _index(num_samples="6"))
+    for said in _every_reader(_with_index(database, tmp_path / "copy", record), capsys):
+        assert f"sample 2 has label {value}, outside the 2 classes" in said, said
+        assert f"label -{2**64 - value}" not in said
+
+
+def test_a_uint64_label_in_range_reads_as_its_value() -> None:
+    index = decode_index(
+        _record({"label": pa.array([0, 1, 1], pa.uint64())}, _index()), source="db"
+    )
+    assert index.labels.tolist() == [0, 1, 1]
+    assert index.labels.dtype.name == "int64"
+
+
+@pytest.mark.parametrize("value", [2**63 + 1, 2**70])
+def test_encode_index_reports_a_huge_label_as_given(value: int) -> None:
+    import numpy as np
+
+    given: list[Any] = [[0, value], np.array([0, value], dtype=np.uint64)] if value < 2**64 else []
+    for labels in [*given, [0, value]]:
+        with pytest.raises(ValueError, match=f"got 0..{value}"):
+            encode_index(labels, ["a", "b"])
+
+
+def test_a_parquet_uint64_label_beyond_int64_is_named(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+    from lmdb_fixtures import encode, photo
+
+    images = [encode(photo(i, (16, 16))) for i in range(3)]
+    labels = pa.array([0, 2**63 + 1, 1], pa.uint64())
+    pq.write_table(pa.table({"image": images, "label": labels}), tmp_path / "d.parquet")
+    with pytest.raises(ValueError, match=f"a label is {2**63 + 1}"):
+        build_lmdb(tmp_path / "d.parquet", tmp_path / "db", progress=False)
