@@ -111,9 +111,21 @@ def encode_index_buffer(
     """Serialise the index record, an Arrow IPC stream (no pickle), without a final copy.
 
     Raises:
-        ValueError: a label outside ``0..len(classes)-1`` or a column whose
-            length differs from the number of labels.
+        ValueError: a label outside ``0..len(classes)-1``, a column whose
+            length differs from the number of labels, or a column or metadata
+            key that would replace one of the format's own (``label``,
+            ``format``, ``version``, ``classes``, ``num_samples``, ``ddpkit_version``).
     """
+    reserved = sorted(
+        {"format", "version", "classes", "num_samples", "ddpkit_version"} & set(metadata or {})
+    )
+    if "label" in (columns or {}):
+        reserved.insert(0, "label (a column)")
+    if reserved:
+        raise ValueError(
+            f"{', '.join(reserved)}: the index record's own field(s); give extra columns and "
+            "metadata other names"
+        )
     # Checked before the cast to int64, which would turn a uint64 label above 2**63 negative.
     if len(labels):
         given = labels if isinstance(labels, np.ndarray) else np.asarray(labels, dtype=object)
