@@ -38,6 +38,7 @@ from ddpkit.control import StepControl
 from ddpkit.devices import module_device
 from ddpkit.ema import sync_ema_buffers
 from ddpkit.evaluation import Criterion, evaluate
+from ddpkit.parallel import sync_buffers
 from ddpkit.position import Position
 from ddpkit.reporting import ReportConfig, Reporter
 from ddpkit.steps import Run, TrainConfig, TrainingError, stop_now, train_epoch
@@ -274,8 +275,11 @@ def _finish_epoch(
 ) -> None:
     """Validate, step the scheduler, report, save the epoch checkpoint, stop if asked."""
     config = run.config
+    # Each rank's BatchNorm statistics moved with its own last batches: from here on
+    # every rank holds rank 0's, the model (and average) validated is the one saved.
+    sync_buffers(run.model)
     if run.ema is not None:
-        sync_ema_buffers(run.ema)  # rank 0's, as the model's: the same average everywhere
+        sync_ema_buffers(run.ema)
     if val_loader is not None:
         measure = functools.partial(evaluate, criterion=run.criterion, normalize=config.normalize,
                                     amp=config.amp, device=run.device)  # fmt: skip
