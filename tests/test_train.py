@@ -415,8 +415,9 @@ def test_validation_scores_the_saved_model(tmp_path: Path, world_size: int, ema:
     assert saved["acc1"] == last[f"{prefix}acc1"]
     for o in out:  # evaluate() after fit, on every rank: the model in memory is the saved one
         assert _figures(o["after"]) == _figures(last, "val_")
-    loader = build_loader(NoisyBlobs(n=37, seed=2, augment=False), batch_size=4, train=False,
-                          workers=0, info=_info())  # fmt: skip
+    loader = build_loader(
+        NoisyBlobs(n=37, seed=2, augment=False), batch_size=4, train=False, workers=0, info=_info()
+    )
     files = out[0]["files"]
     by_epoch = {int(n.split("epoch")[1].split("-")[0]): n for n in files if n.startswith("bn-")}
     assert sorted(by_epoch) == [1, 2]

@@ -120,14 +120,25 @@ def validated_run(rank: int, world_size: int, directory: str, ema: bool) -> dict
     model = wrap_ddp(bn_net())
     average = model_ema(model, decay=0.5) if ema else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    train = build_loader(NoisyBlobs(n=60, seed=1), batch_size=3, train=True, workers=0,
-                         seed=5, info=info)  # fmt: skip
-    val = build_loader(NoisyBlobs(n=37, seed=2, augment=False), batch_size=4, train=False,
-                       workers=0, info=info)  # fmt: skip
+    train = build_loader(
+        NoisyBlobs(n=60, seed=1), batch_size=3, train=True, workers=0, seed=5, info=info
+    )
+    val = build_loader(
+        NoisyBlobs(n=37, seed=2, augment=False), batch_size=4, train=False, workers=0, info=info
+    )
     criterion = nn.CrossEntropyLoss()
-    history = fit(model, train, optimizer, criterion=criterion, epochs=2, val_loader=val,
-                  ema=average, checkpoints=CheckpointManager(directory, prefix="bn"),
-                  config=TrainConfig(normalize=None), report=ReportConfig(progress=False))  # fmt: skip
+    history = fit(
+        model,
+        train,
+        optimizer,
+        criterion=criterion,
+        epochs=2,
+        val_loader=val,
+        ema=average,
+        checkpoints=CheckpointManager(directory, prefix="bn"),
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(progress=False),
+    )
     after = evaluate(model, val, criterion=criterion, normalize=None)
     files: dict[str, dict[str, float]] = {}
     for path in sorted(Path(directory).glob("*.pth")):
