@@ -23,15 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.checkpoint_files import (
-    FORMAT,
-    INTERRUPTED,
-    LATEST,
-    VERSION,
-    step_name,
-    write_files,
-)
+from ddpkit.checkpoint_files import FORMAT, INTERRUPTED, LATEST, VERSION, step_name, write_files
 from ddpkit.checkpoint_sync import (
+    claim_directory,
     describe_error,
     load_newest,
     next_generation,
@@ -45,10 +39,7 @@ from ddpkit.parallel import unwrap_model
 from ddpkit.position import Position
 from ddpkit.rank0 import Rank0Error, rank0_first
 from ddpkit.rng import capture_rng_state
-from ddpkit.serialization import (
-    MapLocation,
-    check_saveable,
-)
+from ddpkit.serialization import MapLocation, check_saveable
 from ddpkit.snapshot import BackgroundWriter, snapshot
 
 __all__ = ["CheckpointManager"]
@@ -91,8 +82,7 @@ class CheckpointManager:
     writes its own copy too, so a lost disk loses nothing. The directory may
     differ between nodes: :meth:`resume` finds the newest complete checkpoint
     any rank holds and sends it over the process group to those that lack it.
-    A run started afresh (not resumed) in a directory gets a new generation,
-    so its checkpoints always outrank an older run's there.
+    A fresh run refuses a directory that holds another run's files, unless ``overwrite``.
 
     :meth:`save`, :meth:`save_step` and :meth:`resume` are collectives: all
     ranks must call them, or they deadlock. With plain DDP every rank holds
@@ -108,6 +98,7 @@ class CheckpointManager:
         every_minutes: ``ddpkit.fit`` also saves when this many minutes passed
             since the last save; None: never by time.
         on_each_node: the first rank of each node writes its own copy.
+        overwrite: a fresh run deletes another run's files in ``directory``; False: refuse.
         network: the former name of ``prefix`` (deprecated).
 
     Attributes:
@@ -136,6 +127,7 @@ class CheckpointManager:
         every_steps: int | None = None,
         every_minutes: float | None = None,
         on_each_node: bool = False,
+        overwrite: bool = False,
         network: str | None = None,
     ):
         if network is not None:
@@ -159,7 +151,7 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.prefix, self.keep_last, self.keep_steps = prefix, keep_last, keep_steps
         self.every_steps, self.every_minutes = every_steps, every_minutes
-        self.on_each_node = on_each_node
+        self.on_each_node, self.overwrite = on_each_node, overwrite
         self.latest_path = self.directory / LATEST
         self.interrupted_path = self.directory / INTERRUPTED
         self.best_acc1: float | None = None
@@ -313,7 +305,8 @@ class CheckpointManager:
         raise_earlier_failure(failed, [g[2] for g in gathered], self._writer)
         metrics = dict(metrics or {})
         check_saveable({"metrics": metrics, "extra": dict(extra or {})})  # the same on all ranks
-        if self._generation is None:
+        if self._generation is None:  # the first save of a fresh run: the directory is its own
+            claim_directory(self.directory, writes=self.writes, overwrite=self.overwrite)
             self._generation = next_generation(self.directory)
         acc1 = float(metrics["acc1"]) if "acc1" in metrics else None
         # The weight file holds the better of the model and its average, as measured.

@@ -10,6 +10,7 @@ costs one checkpoint, not the run.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,15 @@ from typing import Any
 from torch import nn
 
 from ddpkit._docs import see
-from ddpkit.checkpoint_files import LATEST, Found, newest_first, read_header, scan
+from ddpkit.checkpoint_files import (
+    LATEST,
+    Found,
+    describe_run,
+    newest_first,
+    read_header,
+    run_files,
+    scan,
+)
 from ddpkit.comm import all_gather_object, get_rank, get_world_size
 from ddpkit.parallel import unwrap_model
 from ddpkit.position import Position
@@ -28,9 +37,12 @@ from ddpkit.serialization import CheckpointError, MapLocation, load_checkpoint
 from ddpkit.snapshot import BackgroundWriter
 from ddpkit.transfer import broadcast_state
 
+logger = logging.getLogger("ddpkit")
+
 __all__ = [
     "Agreed",
     "Restored",
+    "claim_directory",
     "describe_error",
     "load_newest",
     "next_generation",
@@ -130,6 +142,36 @@ def load_newest(directory: Path, path: Path | None, map_location: MapLocation) -
         + ". "
         + see("checkpoints")
     )
+
+
+def claim_directory(directory: Path, *, writes: bool, overwrite: bool) -> None:
+    """Refuse (or, with ``overwrite``, remove) another run's files in the writing ranks' directory.
+
+    All ranks must call this, or it deadlocks; each rank that ``writes``
+    looks in its own ``directory``, and a refusal is raised on every rank.
+
+    Raises:
+        CheckpointError: a run's files are there and ``overwrite`` is False.
+    """
+    files = run_files(directory) if writes else []
+    line = describe_run(directory, files) if files and not overwrite else None
+    views = all_gather_object((get_rank(), files, line))
+    taken = [(rank, names, what) for rank, names, what in views if names]
+    if taken and not overwrite:
+        rank, names, what = taken[0]
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        raise CheckpointError(
+            f"{directory} (on rank {rank}) holds another run's checkpoints: {what}; files: "
+            f"{shown}. A fresh run would replace them. Continue that run (fit(resume=True), "
+            "--resume), write to another directory, or pass CheckpointManager(overwrite=True) "
+            f"(--overwrite) to delete them. {see('a-directory-holds-another-run')}"
+        )
+    for name in files:
+        (directory / name).unlink(missing_ok=True)
+    if files:
+        logger.warning(
+            "overwrite: removed the previous run's %s from %s", ", ".join(files), directory
+        )
 
 
 def next_generation(directory: Path) -> int:

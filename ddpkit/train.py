@@ -34,6 +34,7 @@ from torch import nn
 
 from ddpkit import comm
 from ddpkit.checkpoint import CheckpointManager
+from ddpkit.checkpoint_sync import claim_directory
 from ddpkit.control import StepControl
 from ddpkit.devices import module_device
 from ddpkit.ema import sync_ema_buffers
@@ -190,7 +191,8 @@ def fit(
         ddpkit.Preempted: a stop signal; the checkpoint is written. Uncaught,
             the process exits with status 75.
         TrainingError: a loss that is not finite (names the epoch and step).
-        CheckpointError: a checkpoint write failed (on every rank), or resume failed.
+        CheckpointError: a checkpoint write failed (on every rank), resume failed, or a
+            fresh run's directory holds another run's files (``CheckpointManager(overwrite=)``).
         ValueError: ``epochs`` is negative, a config value is invalid, or
             ``resume`` without ``checkpoints``.
         TypeError: an unknown keyword argument.
@@ -218,6 +220,9 @@ def fit(
                            ema=ema)  # fmt: skip
         start = checkpoints.position
         carried = _carried(checkpoints.loop, start, world, rank)
+    if checkpoints is not None and start is None:  # a fresh run: refused before it trains
+        dest, writes = checkpoints.directory, checkpoints.writes
+        claim_directory(dest, writes=writes, overwrite=checkpoints.overwrite)
     history = History()
     store = _control_store(world, rank)
     interval = checkpoints.every_minutes if checkpoints is not None else None

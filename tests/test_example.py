@@ -1,8 +1,8 @@
-"""examples/seresnext_lmdb.py: flags, mode choice, the demo with resume, and two nodes."""
+"""ddpkit.examples.seresnext_lmdb: flags, mode choice, the demo with resume, and two nodes."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import shlex
@@ -27,16 +27,7 @@ _LAUNCH_VARS = (
 )
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("seresnext_lmdb", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load()
+example = importlib.import_module("ddpkit.examples.seresnext_lmdb")
 
 
 def _env() -> dict[str, str]:
