@@ -99,6 +99,9 @@ class CheckpointManager:
             since the last save; None: never by time.
         on_each_node: the first rank of each node writes its own copy.
         overwrite: a fresh run deletes another run's files in ``directory``; False: refuse.
+        extra: stored in every checkpoint (under a save's own ``extra``), e.g. the
+            architecture; :meth:`resume` refuses, before loading, a checkpoint
+            whose ``extra`` holds another value for one of these keys.
         network: the former name of ``prefix`` (deprecated).
 
     Attributes:
@@ -128,6 +131,7 @@ class CheckpointManager:
         every_minutes: float | None = None,
         on_each_node: bool = False,
         overwrite: bool = False,
+        extra: Mapping[str, Any] | None = None,
         network: str | None = None,
     ):
         if network is not None:
@@ -152,6 +156,7 @@ class CheckpointManager:
         self.prefix, self.keep_last, self.keep_steps = prefix, keep_last, keep_steps
         self.every_steps, self.every_minutes = every_steps, every_minutes
         self.on_each_node, self.overwrite = on_each_node, overwrite
+        self.extra = dict(check_saveable(dict(extra or {})))
         self.latest_path = self.directory / LATEST
         self.interrupted_path = self.directory / INTERRUPTED
         self.best_acc1: float | None = None
@@ -303,8 +308,8 @@ class CheckpointManager:
         failed = self._writer.error
         gathered = all_gather_object((capture_rng_state(), loop, describe_error(failed)))
         raise_earlier_failure(failed, [g[2] for g in gathered], self._writer)
-        metrics = dict(metrics or {})
-        check_saveable({"metrics": metrics, "extra": dict(extra or {})})  # the same on all ranks
+        metrics, extra = dict(metrics or {}), {**self.extra, **(extra or {})}
+        check_saveable({"metrics": metrics, "extra": extra})  # the same on all ranks
         if self._generation is None:  # the first save of a fresh run: the directory is its own
             claim_directory(self.directory, writes=self.writes, overwrite=self.overwrite)
             self._generation = next_generation(self.directory)
@@ -347,7 +352,7 @@ class CheckpointManager:
                 "rng": [g[0] for g in gathered],
                 "loop": [g[1] for g in gathered],
                 "metrics": metrics,
-                "extra": dict(extra or {}),
+                "extra": extra,
                 "best_acc1": best[0],
                 "best_epoch": best[1],
             }
@@ -431,7 +436,8 @@ class CheckpointManager:
             self.position = None
             return 0
         restored = restore_state(agreed.state, agreed.found, model,
-                                 (optimizer, scheduler, scaler), strict_rng, ema)  # fmt: skip
+                                 (optimizer, scheduler, scaler), strict_rng, ema,
+                                 self.extra)  # fmt: skip
         self.position, self.loop = restored.position, restored.loop
         self.best_acc1, self._best_epoch = restored.best_acc1, restored.best_epoch
         self._step = self.position.step

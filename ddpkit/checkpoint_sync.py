@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ logger = logging.getLogger("ddpkit")
 __all__ = [
     "Agreed",
     "Restored",
+    "check_extra",
     "claim_directory",
     "describe_error",
     "load_newest",
@@ -256,6 +258,22 @@ class Restored:
     best_epoch: int | None
 
 
+def check_extra(name: str, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose ``extra`` differs from ``expected`` in a key both hold.
+
+    Raises:
+        CheckpointError: names the key, the value it was trained with and this run's.
+    """
+    differ = [k for k in expected if k in saved and saved[k] != expected[k]]
+    if differ:
+        was = ", ".join(f"{k} {saved[k]}" for k in differ)
+        now = ", ".join(f"{k} {expected[k]}" for k in differ)
+        raise CheckpointError(
+            f"{name} was trained with {was}; this run has {now}. Pass {was} to resume or "
+            f"evaluate it, or start a new run in another directory. {see('checkpoints')}"
+        )
+
+
 def rank0_state(module: nn.Module, gather: bool) -> dict[str, Any]:
     """``module``'s state as rank 0 holds it (with ``gather``; a collective), else as it is.
 
@@ -281,15 +299,19 @@ def restore_state(
     parts: tuple[Any, ...],
     strict_rng: bool,
     ema: nn.Module | None = None,
+    expected: Mapping[str, Any] | None = None,
 ) -> Restored:
     """Load ``state`` into ``model`` and ``parts`` (optimizer, scheduler, scaler; None: skipped).
 
     This rank's RNG state is restored when the world size is the one that saved.
 
     Raises:
-        CheckpointError: a part asked for is not in ``state``, or the world
-            size changed and ``strict_rng`` is True (with False: a warning).
+        CheckpointError: a part asked for is not in ``state``, the world size
+            changed and ``strict_rng`` is True (with False: a warning), or
+            ``state["extra"]`` holds another value than ``expected`` for one of
+            its keys (another architecture, say); nothing is loaded then.
     """
+    check_extra(found.name, state.get("extra") or {}, expected or {})
     names = ("optimizer", "scheduler", "scaler")
     for name, obj in zip(names, parts, strict=True):
         if obj is not None and state.get(name) is None:

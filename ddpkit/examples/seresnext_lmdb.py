@@ -24,8 +24,8 @@ import argparse
 import gc
 import logging
 import math
-import re
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -38,6 +38,15 @@ from torch import nn
 import ddpkit
 from ddpkit.data.shapes import make_shapes_dataset
 from ddpkit.devices import cpu_share
+from ddpkit.examples.seresnext_setup import (
+    batch_error,
+    batch_line,
+    load_weights,
+    model_record,
+    processes_from_flags,
+    weights_prefix,
+    workers_per_process,
+)
 
 
 def _number(kind: type, least: float, strict: bool) -> Any:
@@ -123,6 +132,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="evaluate on val.lmdb and exit: the weights of --resume PATH,\n"
                         "else the newest checkpoint in --checkpoints (any node's),\n"
                         "else --pretrained")  # fmt: skip
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="a fresh run deletes another run's files in --checkpoints\n(default: refuse)",
+    )
     p.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
                    help="continue from the newest complete checkpoint (epoch, step or\n"
                         "interrupted) any node holds, or from the file PATH")  # fmt: skip
@@ -183,6 +197,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--evaluate measures a checkpoint of --data; --demo trains its own: pick one")
     if not 0 < args.model_ema_decay < 1:
         p.error(f"--model-ema-decay must lie between 0 and 1, got {args.model_ema_decay}")
+    processes = processes_from_flags(args, torch.cuda.device_count())
+    error = batch_error(args.batch_size, processes or 1) if not args.demo else None
+    if error is not None:
+        p.error(error)
     if args.warmup_epochs >= args.epochs and not args.demo:
         p.error(f"--warmup-epochs {args.warmup_epochs:g} leaves nothing of --epochs {args.epochs}")
     return args
@@ -217,58 +235,21 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     return model
 
 
-def weights_prefix(args: argparse.Namespace) -> str:
-    """The start of the per-epoch weight files' names: ``--network``, else the arch."""
-    if args.network is not None:
-        return str(args.network)
-    return re.sub(r"[^\w.-]+", "-", args.arch)  # hf-hub:org/name -> hf-hub-org-name
-
-
-def workers_per_process(workers: int | None, nprocs: int) -> int | None:
-    """``-j`` (per node) shared by the node's ``nprocs`` processes, rounded up as the
-    recipe did, so any ``-j`` >= 1 leaves each process at least one worker."""
-    return None if workers is None else (workers + nprocs - 1) // nprocs
-
-
-def batch_line(global_batch: int, nprocs: int, per_process: int, workers: int) -> str:
-    """The start-up line that says how ``-b`` and ``-j`` were shared out."""
-    return (
-        f"global batch {global_batch} (-b: all processes of all nodes, not per node) = "
-        f"{nprocs} process{'es' if nprocs != 1 else ''} x {per_process} per process; "
-        f"{workers} data worker{'s' if workers != 1 else ''} per process"
-    )
-
-
-def _load_weights(model: nn.Module, path: str, flag: str) -> None:
-    """Load the whole of ``path`` into ``model`` on every rank; a failure on one reaches all.
-
-    All ranks must call this, or it deadlocks.
-    """
-    error = None
-    try:
-        report = ddpkit.load_pretrained(model, path, strict=True)
-        if report.skipped:
-            error = (f"{path} has another head than the model ({', '.join(report.skipped)}); "
-                     "pass the --num-classes it was trained with")  # fmt: skip
-    except (OSError, ValueError, ddpkit.CheckpointError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    errors = [(rank, e) for rank, e in enumerate(ddpkit.all_gather_object(error)) if e]
-    if errors:
-        rank, first = errors[0]
-        raise ddpkit.CheckpointError(f"--evaluate {flag} {path} (rank {rank}): {first}")
-
-
-def load_for_evaluation(args: argparse.Namespace, model: nn.Module) -> str:
+def load_for_evaluation(
+    args: argparse.Namespace, model: nn.Module, record: dict[str, Any] | None = None
+) -> str:
     """Load what ``--evaluate`` measures into ``model``; return where it came from.
 
     ``--resume PATH`` (any checkpoint or weights file, read on every node), else
     the newest complete checkpoint any node holds in ``--checkpoints``, else
-    ``--pretrained``. All ranks must call this, or it deadlocks.
+    ``--pretrained``. A checkpoint trained with another ``record`` (``--arch``
+    ...) is refused before loading. All ranks must call this, or it deadlocks.
     """
     if isinstance(args.resume, str):
-        _load_weights(model, args.resume, "--resume")
+        load_weights(model, args.resume, "--resume", record)
         return args.resume
-    checkpoints = ddpkit.CheckpointManager(args.checkpoints, prefix=weights_prefix(args))
+    prefix = weights_prefix(args)
+    checkpoints = ddpkit.CheckpointManager(args.checkpoints, prefix=prefix, extra=record)
     with warnings.catch_warnings():
         # Evaluation draws no random numbers: RNG states saved by another
         # number of ranks do not matter here.
@@ -277,7 +258,7 @@ def load_for_evaluation(args: argparse.Namespace, model: nn.Module) -> str:
     if checkpoints.position is not None:
         return str(checkpoints.resumed_from or f"the newest checkpoint in {args.checkpoints}")
     if args.pretrained:
-        _load_weights(model, args.pretrained, "--pretrained")
+        load_weights(model, args.pretrained, "--pretrained")
         return str(args.pretrained)
     raise ddpkit.CheckpointError(
         f"--evaluate: no checkpoint in {args.checkpoints} on any node and no --pretrained; "
@@ -295,6 +276,11 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         format=f"[rank {info.rank}] %(asctime)s %(message)s",
         force=True,
     )
+    error = batch_error(args.batch_size, info.world_size)
+    if error is not None:  # before any data or model is built; rank 0 says why
+        if info.is_main:
+            print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2)
     if info.device.type == "cpu":  # share the cores instead of oversubscribing them
         torch.set_num_threads(cpu_share(info.local_world_size))
     torch.manual_seed(args.seed)
@@ -310,8 +296,10 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     val_batch = max(1, args.batch_size // info.world_size)
     val_loader = ddpkit.build_loader(val_set, batch_size=val_batch, train=False, **kw)
     criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)
+    record = model_record(args, classes)
     if args.evaluate:
-        return evaluate_only(info, args, build_model(args, classes), val_loader, criterion)
+        model = build_model(args, classes)
+        return evaluate_only(info, args, model, val_loader, criterion, record)
     net = build_model(args, classes)
     cuda = info.device.type == "cuda"
     if cuda:  # the recipe's setting: cuDNN picks the fastest kernels for fixed input sizes
@@ -345,7 +333,7 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     checkpoints = ddpkit.CheckpointManager(
         args.checkpoints, prefix=weights_prefix(args), keep_last=args.keep_last,
         every_steps=args.save_every_steps, every_minutes=args.save_every_minutes,
-        on_each_node=args.save_on_each_node,
+        on_each_node=args.save_on_each_node, overwrite=args.overwrite, extra=record,
     )  # fmt: skip
     # A restarted process (torchrun --max-restarts, --max-restarts) continues the run.
     resume = args.resume or info.restart_count > 0
@@ -370,9 +358,10 @@ def evaluate_only(
     model: nn.Module,
     val_loader: Any,
     criterion: nn.Module,
+    record: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``--evaluate``: the accuracy of a checkpoint, printed on rank 0. Every rank calls it."""
-    source = load_for_evaluation(args, model)
+    source = load_for_evaluation(args, model, record)
     # evaluate() runs the plain model on each rank's share: no DDP wrapper is needed.
     metrics = ddpkit.evaluate(model.to(info.device), val_loader, criterion=criterion,
                               amp=args.amp, device=info.device)  # fmt: skip
