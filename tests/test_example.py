@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
