@@ -62,6 +62,8 @@ _REPORT_KEYS = ("progress", "log_dir")
 # The confusion matrix goes into each epoch's record (and metrics.jsonl) up to this
 # many classes; beyond, evaluate() still returns it and per-class figures stay.
 _CONFUSION_IN_RECORD = 100
+# With this many classes or fewer, top-5 accuracy is 100 % by definition: not recorded.
+_TOP5_ALWAYS = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,7 +157,8 @@ def fit(
         criterion: ``criterion(logits, targets) -> loss`` (mean over the batch).
         epochs: train until this many epochs are done (counting resumed ones).
         val_loader: evaluated after each epoch; metrics are exact across ranks.
-            The record holds ``val_acc1`` ... and per class ``val_recall``,
+            The record holds ``val_acc1`` ... (``val_acc5`` only with more
+            than 5 classes: below, it is always 100 %) and per class ``val_recall``,
             ``val_precision`` (and ``val_confusion`` up to 100 classes), and
             ``val_worst_class`` (a name when the dataset has ``classes``).
         scheduler: stepped after each epoch, or after each optimizer step
@@ -291,7 +294,8 @@ def _finish_epoch(
         record.update(_val_record(measure(run.model, _ticking(val_loader, run)), val_loader))
         if run.ema is not None:
             averaged = measure(run.ema.module, _ticking(val_loader, run))
-            record.update({f"val_ema_{k}": averaged[k] for k in ("acc1", "acc5", "loss")})
+            keys = ("acc1", "acc5", "loss") if "val_acc5" in record else ("acc1", "loss")
+            record.update({f"val_ema_{k}": averaged[k] for k in keys})
     if run.scheduler is not None and not run.per_step:
         run.scheduler.step()
     record["wall_seconds"] = time.perf_counter() - began
@@ -318,6 +322,8 @@ def _val_record(val: dict[str, Any], loader: Iterable[Any]) -> dict[str, Any]:
     val = dict(val)
     if len(val.get("confusion", ())) > _CONFUSION_IN_RECORD:
         del val["confusion"]
+    if 0 < len(val.get("recall") or ()) <= _TOP5_ALWAYS:  # top-5 of at most 5 classes: 100 %
+        del val["acc5"]
     classes = getattr(getattr(loader, "dataset", None), "classes", None)
     worst = val.get("worst_class")
     if worst is not None and isinstance(classes, Sequence) and worst < len(classes):

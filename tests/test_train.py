@@ -438,3 +438,33 @@ def test_validation_scores_the_saved_model(tmp_path: Path, world_size: int, ema:
         assert one["loss"] == pytest.approx(expected[2], rel=1e-6, abs=0)
         if record is best:
             assert _figures(files["best.pth"])[:3] == expected
+
+
+def test_top5_is_left_out_with_five_classes_or_fewer(capsys: pytest.CaptureFixture[str]) -> None:
+    # Top-5 of 3 classes is 100 % whatever the model: it is neither recorded nor printed.
+    torch.manual_seed(0)
+    from train_jobs import bn_net
+
+    model = bn_net()
+    loader = build_loader(NoisyBlobs(n=12), batch_size=4, train=True, workers=0, info=_info())
+    val = build_loader(
+        NoisyBlobs(n=8, augment=False), batch_size=4, train=False, workers=0, info=_info()
+    )
+    history = fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        epochs=1,
+        val_loader=val,
+        config=RAW,
+        report=QUIET,
+    )
+    record = history.last
+    assert "val_acc1" in record
+    assert "val_acc5" not in record
+    line = capsys.readouterr().out
+    assert "val_acc1" in line
+    assert "acc5" not in line
+    # evaluate() itself still returns it: a caller's own figures keep their keys.
+    assert evaluate(model, val, normalize=None)["acc5"] == 100.0

@@ -366,7 +366,8 @@ def evaluate_only(
     metrics = ddpkit.evaluate(model.to(info.device), val_loader, criterion=criterion,
                               amp=args.amp, device=info.device)  # fmt: skip
     if info.is_main:
-        print(f"evaluate {source}: acc1 {metrics['acc1']:.3f} acc5 {metrics['acc5']:.3f} "
+        top5 = f" acc5 {metrics['acc5']:.3f}" if len(metrics["recall"]) > 5 else ""
+        print(f"evaluate {source}: acc1 {metrics['acc1']:.3f}{top5} "
               f"loss {metrics['loss']:.6g} samples {metrics['samples']:.0f}")  # fmt: skip
     return metrics
 
