@@ -24,15 +24,9 @@ import torch
 from torch import nn
 
 from ddpkit._numbers import positive_seconds
-from ddpkit.checkpoint_files import (
-    FORMAT,
-    INTERRUPTED,
-    LATEST,
-    VERSION,
-    step_name,
-    write_files,
-)
+from ddpkit.checkpoint_files import FORMAT, INTERRUPTED, LATEST, VERSION, step_name, write_files
 from ddpkit.checkpoint_sync import (
+    claim_directory,
     describe_error,
     load_newest,
     next_generation,
@@ -89,8 +83,7 @@ class CheckpointManager:
     writes its own copy too, so a lost disk loses nothing. The directory may
     differ between nodes: :meth:`resume` finds the newest complete checkpoint
     any rank holds and sends it over the process group to those that lack it.
-    A run started afresh (not resumed) in a directory gets a new generation,
-    so its checkpoints always outrank an older run's there.
+    A fresh run refuses a directory that holds another run's files, unless ``overwrite``.
 
     :meth:`save`, :meth:`save_step` and :meth:`resume` are collectives: all
     ranks must call them, or they deadlock. With plain DDP every rank holds
@@ -106,6 +99,10 @@ class CheckpointManager:
         every_minutes: ``ddpkit.fit`` also saves when this many minutes passed
             since the last save; None: never by time.
         on_each_node: the first rank of each node writes its own copy.
+        overwrite: a fresh run deletes another run's files in ``directory``; False: refuse.
+        extra: stored in every checkpoint (under a save's own ``extra``), e.g. the
+            architecture; :meth:`resume` refuses, before loading, a checkpoint
+            whose ``extra`` holds another value for one of these keys.
         network: the former name of ``prefix`` (deprecated).
 
     Attributes:
@@ -134,6 +131,8 @@ class CheckpointManager:
         every_steps: int | None = None,
         every_minutes: float | None = None,
         on_each_node: bool = False,
+        overwrite: bool = False,
+        extra: Mapping[str, Any] | None = None,
         network: str | None = None,
     ):
         if network is not None:
@@ -156,7 +155,8 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.prefix, self.keep_last, self.keep_steps = prefix, keep_last, keep_steps
         self.every_steps, self.every_minutes = every_steps, minutes
-        self.on_each_node = on_each_node
+        self.on_each_node, self.overwrite = on_each_node, overwrite
+        self.extra = dict(check_saveable(dict(extra or {})))
         self.latest_path = self.directory / LATEST
         self.interrupted_path = self.directory / INTERRUPTED
         self.best_acc1: float | None = None
@@ -308,9 +308,10 @@ class CheckpointManager:
         failed = self._writer.error
         gathered = all_gather_object((capture_rng_state(), loop, describe_error(failed)))
         raise_earlier_failure(failed, [g[2] for g in gathered], self._writer)
-        metrics = dict(metrics or {})
-        check_saveable({"metrics": metrics, "extra": dict(extra or {})})  # the same on all ranks
-        if self._generation is None:
+        metrics, extra = dict(metrics or {}), {**self.extra, **(extra or {})}
+        check_saveable({"metrics": metrics, "extra": extra})  # the same on all ranks
+        if self._generation is None:  # the first save of a fresh run: the directory is its own
+            claim_directory(self.directory, writes=self.writes, overwrite=self.overwrite)
             self._generation = next_generation(self.directory)
         acc1 = float(metrics["acc1"]) if "acc1" in metrics else None
         # The weight file holds the better of the model and its average, as measured.
@@ -351,7 +352,7 @@ class CheckpointManager:
                 "rng": [g[0] for g in gathered],
                 "loop": [g[1] for g in gathered],
                 "metrics": metrics,
-                "extra": dict(extra or {}),
+                "extra": extra,
                 "best_acc1": best[0],
                 "best_epoch": best[1],
             }
@@ -435,8 +436,16 @@ class CheckpointManager:
             self.position = None
             return 0
         self.resumed_checkpoint = str(path or self.directory / agreed.found.name)
-        restored = restore_state(agreed.state, agreed.found, model, (optimizer, scheduler, scaler),
-                                 strict_rng, ema, self.resumed_checkpoint)  # fmt: skip
+        restored = restore_state(
+            agreed.state,
+            agreed.found,
+            model,
+            (optimizer, scheduler, scaler),
+            strict_rng,
+            ema,
+            where=self.resumed_checkpoint,
+            expected=self.extra,
+        )
         self.position, self.loop = restored.position, restored.loop
         self.best_acc1, self._best_epoch = restored.best_acc1, restored.best_epoch
         self._step = self.position.step

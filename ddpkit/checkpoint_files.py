@@ -38,6 +38,7 @@ from ddpkit.serialization import (
 )
 
 __all__ = [
+    "BEST",
     "FORMAT",
     "INTERRUPTED",
     "LATEST",
@@ -46,9 +47,11 @@ __all__ = [
     "Found",
     "averaged",
     "check_position",
+    "describe_run",
     "newest_first",
     "prune_steps",
     "read_header",
+    "run_files",
     "scan",
     "step_name",
     "write_files",
@@ -60,6 +63,9 @@ FORMAT, VERSION = "ddpkit-checkpoint", 2
 LATEST, PREVIOUS, INTERRUPTED = "latest.pth", "previous.pth", "interrupted.pth"
 _STEP_FILE = re.compile(r"step-(\d+)\.pth")
 _STEP_TEMP = re.compile(r"\.step-\d+\.pth\.tmp-")
+# Per-epoch weight files, whatever their prefix: "<prefix>-epoch<N>-acc<acc1>.pth".
+_WEIGHT_FILE = re.compile(r".+-epoch\d+-acc(?:\d+\.\d+|nan)\.pth")
+BEST = "best.pth"
 # Among checkpoints of one step, the one further along: an epoch end has also
 # validated and stepped the scheduler.
 _KIND_ORDER = {"step": 0, "interrupted": 1, "epoch": 2}
@@ -185,6 +191,42 @@ def scan(directory: Path) -> tuple[list[Found], list[tuple[str, str]]]:
     return found, bad
 
 
+def run_files(directory: Path) -> list[str]:
+    """The names of the files a training run leaves in ``directory``, sorted; [] when none.
+
+    Full checkpoints (``latest.pth``, ``previous.pth``, ``interrupted.pth``,
+    ``step-<n>.pth``), per-epoch weight files of any prefix and ``best.pth``;
+    other files (``metrics.jsonl``, a user's notes) are not a run's.
+    """
+    if not directory.is_dir():
+        return []
+    names = {LATEST, PREVIOUS, INTERRUPTED, BEST}
+    return sorted(
+        p.name
+        for p in directory.iterdir()
+        if p.is_file()
+        and (p.name in names or _STEP_FILE.fullmatch(p.name) or _WEIGHT_FILE.fullmatch(p.name))
+    )
+
+
+def describe_run(directory: Path, files: list[str]) -> str:
+    """One line about the run whose ``files`` lie in ``directory``: how far it got, its best."""
+    found, _ = scan(directory)
+    newest = max(found, key=lambda f: f.order, default=None)
+    if newest is None:
+        return "no full checkpoint (weights only)"
+    try:
+        path = directory / newest.name
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # read_header read it a moment ago: describe what it told
+        state = {}
+    line = newest.describe()
+    best, epoch = state.get("best_acc1"), state.get("best_epoch")
+    if best is not None and epoch is not None:
+        line += f", best acc1 {best:.2f}% at epoch {int(epoch) + 1}"
+    return line
+
+
 def newest_first(per_rank: list[list[Found]]) -> list[tuple[Found, list[int]]]:
     """Every distinct checkpoint the ranks found, newest first, with the ranks holding it.
 
@@ -249,7 +291,7 @@ def write_files(
         weights = clean["model"] if clean.get("weights") != "ema" else averaged(clean["ema"])
         save_checkpoint(weights, epoch_path)
         if best:
-            link_or_copy(epoch_path, directory / "best.pth")
+            link_or_copy(epoch_path, directory / BEST)
         # latest.pth comes last, so the files it refers to exist whenever it does.
         if rotate:
             _rotate(path, clean["snapshot"])

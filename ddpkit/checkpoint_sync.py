@@ -10,7 +10,9 @@ costs one checkpoint, not the run.
 
 from __future__ import annotations
 
+import logging
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,10 @@ from ddpkit.checkpoint_files import (
     LATEST,
     Found,
     check_position,
+    describe_run,
     newest_first,
     read_header,
+    run_files,
     scan,
 )
 from ddpkit.comm import all_gather_object, get_rank, get_world_size
@@ -36,10 +40,14 @@ from ddpkit.serialization import CheckpointError, MapLocation, load_checkpoint
 from ddpkit.snapshot import BackgroundWriter
 from ddpkit.transfer import broadcast_state
 
+logger = logging.getLogger("ddpkit")
+
 __all__ = [
     "Agreed",
     "Restored",
+    "check_extra",
     "check_fits",
+    "claim_directory",
     "describe_error",
     "load_newest",
     "next_generation",
@@ -141,6 +149,36 @@ def load_newest(directory: Path, path: Path | None, map_location: MapLocation) -
         + ". "
         + see("checkpoints")
     )
+
+
+def claim_directory(directory: Path, *, writes: bool, overwrite: bool) -> None:
+    """Refuse (or, with ``overwrite``, remove) another run's files in the writing ranks' directory.
+
+    All ranks must call this, or it deadlocks; each rank that ``writes``
+    looks in its own ``directory``, and a refusal is raised on every rank.
+
+    Raises:
+        CheckpointError: a run's files are there and ``overwrite`` is False.
+    """
+    files = run_files(directory) if writes else []
+    line = describe_run(directory, files) if files and not overwrite else None
+    views = all_gather_object((get_rank(), files, line))
+    taken = [(rank, names, what) for rank, names, what in views if names]
+    if taken and not overwrite:
+        rank, names, what = taken[0]
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        raise CheckpointError(
+            f"{directory} (on rank {rank}) holds another run's checkpoints: {what}; files: "
+            f"{shown}. A fresh run would replace them. Continue that run (fit(resume=True), "
+            "--resume), write to another directory, or pass CheckpointManager(overwrite=True) "
+            f"(--overwrite) to delete them. {see('a-directory-holds-another-run')}"
+        )
+    for name in files:
+        (directory / name).unlink(missing_ok=True)
+    if files:
+        logger.warning(
+            "overwrite: removed the previous run's %s from %s", ", ".join(files), directory
+        )
 
 
 def next_generation(directory: Path) -> int:
@@ -260,6 +298,22 @@ class Restored:
     best_epoch: int | None
 
 
+def check_extra(name: str, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose ``extra`` differs from ``expected`` in a key both hold.
+
+    Raises:
+        CheckpointError: names the key, the value it was trained with and this run's.
+    """
+    differ = [k for k in expected if k in saved and saved[k] != expected[k]]
+    if differ:
+        was = ", ".join(f"{k} {saved[k]}" for k in differ)
+        now = ", ".join(f"{k} {expected[k]}" for k in differ)
+        raise CheckpointError(
+            f"{name} was trained with {was}; this run has {now}. Pass {was} to resume or "
+            f"evaluate it, or start a new run in another directory. {see('checkpoints')}"
+        )
+
+
 def rank0_state(module: nn.Module, gather: bool) -> dict[str, Any]:
     """``module``'s state as rank 0 holds it (with ``gather``; a collective), else as it is.
 
@@ -286,6 +340,7 @@ def restore_state(
     strict_rng: bool,
     ema: nn.Module | None = None,
     where: str | None = None,
+    expected: Mapping[str, Any] | None = None,
 ) -> Restored:
     """Load ``state`` into ``model`` and ``parts`` (optimizer, scheduler, scaler; None: skipped).
 
@@ -299,10 +354,13 @@ def restore_state(
     Raises:
         CheckpointError: a part asked for is not in ``state``, the position or
             an RNG state is malformed, the model is not the one that saved
-            (names the first keys and shapes that differ), or the world size
-            changed and ``strict_rng`` is True (with False: a warning).
+            (names the first keys and shapes that differ), the world size
+            changed and ``strict_rng`` is True (with False: a warning), or
+            ``state["extra"]`` holds another value than ``expected`` for one of
+            its keys (another architecture, say); nothing is loaded then.
     """
     name = where or found.name
+    check_extra(name, state.get("extra") or {}, expected or {})
     names = ("optimizer", "scheduler", "scaler")
     for part, obj in zip(names, parts, strict=True):
         if obj is not None and state.get(part) is None:

@@ -180,7 +180,9 @@ def join_job(
                 socket_ifname=network, master_addr=plan.master_addr, backend=resolved
             )
             before = tuple((s.name, s.previous) for s in net.changes)
-            net.apply()
+            # One line per setting per node, not per rank: the node's first rank says it.
+            first = plan.local_rank if plan.local_rank is not None else plan.rank
+            net.apply(log=first == 0)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         deadline = time.monotonic() + rendezvous_timeout.total_seconds()

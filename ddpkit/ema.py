@@ -13,11 +13,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from ddpkit.parallel import unwrap_model
+from ddpkit.parallel import sync_buffers, unwrap_model
 
 __all__ = ["model_ema", "sync_ema_buffers"]
 
@@ -58,7 +57,4 @@ def sync_ema_buffers(ema: AveragedModel) -> None:
     each rank averages the BatchNorm statistics its own batches left. Without a
     process group (or with one rank) nothing happens.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    for buffer in ema.module.buffers():
-        dist.broadcast(buffer, src=0)
+    sync_buffers(ema.module)

@@ -19,7 +19,7 @@ from torch import nn
 from ddpkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, normalize_batch
 from ddpkit.devices import module_device
 from ddpkit.metrics import ClassificationTotals
-from ddpkit.parallel import unwrap_model
+from ddpkit.parallel import sync_buffers, unwrap_model
 
 __all__ = ["Amp", "Criterion", "Normalize", "autocast", "evaluate", "per_sample", "to_device"]
 
@@ -46,7 +46,11 @@ def evaluate(
     ``build_loader(train=False)``'s, so every sample counts once), and the
     sums are all-reduced at the end. The forward pass runs on the
     unwrapped model, so ranks with different numbers of batches never wait
-    on each other. All ranks must call it, or it deadlocks.
+    on each other. First every rank takes rank 0's buffers
+    (:func:`ddpkit.parallel.sync_buffers`): without SyncBN each rank's
+    BatchNorm statistics drift apart in training, and the figures are those
+    of rank 0's model, the one checkpoints save. All ranks must call it, or
+    it deadlocks.
 
     Returns:
         ``acc1`` and ``acc5`` in percent, ``loss`` (mean per sample; nan
@@ -61,6 +65,7 @@ def evaluate(
         >>> metrics = evaluate(model, val_loader, criterion=nn.CrossEntropyLoss())
     """
     net = unwrap_model(model)
+    sync_buffers(net)
     dev = torch.device(device) if device is not None else module_device(net)
     losses = per_sample(criterion) if criterion is not None else None
     was_training = net.training

@@ -46,6 +46,7 @@ __all__ = [
     "list_interfaces",
     "plan_network",
     "route_interface",
+    "shown",
 ]
 
 logger = logging.getLogger("ddpkit")
@@ -93,6 +94,8 @@ class NetworkPlan:
         ib_sysfs: where InfiniBand devices were looked for.
         errors: what makes the plan unusable; :meth:`apply` raises the first.
         warnings: what :meth:`apply` logs as a warning.
+        backend: the backend the plan is for (None: not said); with ``"gloo"``
+            :meth:`apply` sets the NCCL variables without logging them.
     """
 
     settings: tuple[Setting, ...]
@@ -104,6 +107,7 @@ class NetworkPlan:
     ib_sysfs: str
     errors: tuple[str, ...] = ()
     warnings: tuple[str, ...] = field(default=())
+    backend: str | None = None
 
     @property
     def changes(self) -> tuple[Setting, ...]:
@@ -114,8 +118,14 @@ class NetworkPlan:
         """The setting of variable ``name``, or None when the plan neither sets nor keeps it."""
         return next((s for s in self.settings if s.name == name), None)
 
-    def apply(self, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    def apply(
+        self, environ: MutableMapping[str, str] | None = None, *, log: bool = True
+    ) -> dict[str, str]:
         """Write the changes into ``environ`` (``os.environ``); return them, name -> value.
+
+        Each change is logged at INFO with ``log`` (one process per node is
+        enough: its peers take the same decisions), at DEBUG otherwise; the
+        NCCL variables of a Gloo plan always at DEBUG. Warnings are always logged.
 
         Raises:
             NetworkConfigError: the plan has an error (a kept variable that
@@ -128,15 +138,33 @@ class NetworkPlan:
             logger.warning("network: %s", message)
         for s in self.settings:
             if s.action == "keep" and s.wanted is not None:
-                logger.info(
-                    "network: kept %s=%s from the environment (not %s)", s.name, s.value, s.wanted
+                logger.log(
+                    self._level(s, log),
+                    "network: kept %s from the environment (not %s)",
+                    shown(s.name, s.value),
+                    shown(s.name, s.wanted),
                 )
         changed = {}
         for s in self.changes:
             env[s.name] = s.value
             changed[s.name] = s.value
-            logger.info("network: set %s=%s (%s)", s.name, s.value, s.reason)
+            logger.log(
+                self._level(s, log), "network: set %s (%s)", shown(s.name, s.value), s.reason
+            )
         return changed
+
+    def _level(self, setting: Setting, log: bool) -> int:
+        unused = self.backend == "gloo" and setting.name.startswith("NCCL_")
+        return logging.INFO if log and not unused else logging.DEBUG
+
+
+def shown(name: str, value: str) -> str:
+    """``NAME=value`` as a person reads it: NCCL's ``=`` (exactly) and ``^`` (all but) spelt out."""
+    if value.startswith("="):
+        return f"{name}='{value}' (exactly {value[1:]})"
+    if value.startswith("^"):
+        return f"{name}='{value}' (all but {value[1:]})"
+    return f"{name}={value}"
 
 
 def plan_network(
@@ -231,6 +259,7 @@ def plan_network(
             value, reason = wanted[name]
             settings.append(Setting(name, value, "set", reason, previous=env.get(name)))
     return NetworkPlan(
+        backend=backend,
         settings=tuple(settings),
         master_addr=master,
         route=route,

@@ -4,7 +4,8 @@
 process group it converts BatchNorm to SyncBatchNorm (on CUDA), moves the
 model to this rank's device and wraps it in ``DistributedDataParallel``;
 without one it only moves the model, so the same script runs on a laptop and
-on a cluster.
+on a cluster. ``sync_buffers`` gives every rank rank 0's buffers (BatchNorm
+statistics), so the model each rank evaluates is the model rank 0 saves.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.devices import model_device
+from ddpkit.devices import collective_device, model_device
 
-__all__ = ["no_sync", "unwrap_model", "wrap_ddp"]
+__all__ = ["no_sync", "sync_buffers", "unwrap_model", "wrap_ddp"]
 
 logger = logging.getLogger("ddpkit")
 
@@ -151,6 +152,42 @@ def unwrap_model(model: nn.Module | Callable[..., Any]) -> nn.Module:
             module = inner
         else:
             return module
+
+
+@torch.no_grad()
+def sync_buffers(model: nn.Module | Callable[..., Any], src: int = 0) -> None:
+    """Give every rank rank ``src``'s buffers of ``model`` (BatchNorm statistics). A collective.
+
+    DDP keeps the parameters equal on every rank and broadcasts rank 0's
+    buffers before each training forward, but that forward then updates each
+    rank's BatchNorm running statistics with its own batch (without SyncBN, or
+    with ``broadcast_buffers=False`` always): after a training step every
+    rank holds a slightly different model, and checkpoints save rank 0's. After
+    this call every rank holds rank ``src``'s buffers, so what each rank
+    evaluates is the model that is saved. The buffers travel in one broadcast
+    per device and dtype. Without a process group, in a group of one, or for a
+    model without buffers, nothing happens. All ranks must call it, or it
+    deadlocks.
+
+    Args:
+        model: the model, wrapped (DDP, ``torch.compile``) or not.
+        src: the rank whose buffers every rank takes.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for buffer in unwrap_model(model).buffers():
+        groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
+    wire = collective_device()
+    # The same groups in the same order on every rank: the ranks' models have one structure.
+    for (device, _), buffers in groups.items():
+        flat = torch.cat([b.reshape(-1) for b in buffers]).to(wire)
+        dist.broadcast(flat, src=src)
+        flat = flat.to(device)
+        offset = 0
+        for buffer in buffers:
+            buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
+            offset += buffer.numel()
 
 
 def no_sync(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -102,8 +103,9 @@ def read_metrics(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dic
 def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> Path:
     """Draw the learning curves of the run in ``run_dir``; return the image's path.
 
-    Panels: train and validation loss, top-1 and top-5 accuracy (and the
-    model average's top-1 with ``fit(ema=...)``), learning rate, images per
+    Panels: train and validation loss (on a log scale), top-1 and top-5
+    accuracy (top-5 only with more than 5 classes; the model average's top-1
+    with ``fit(ema=...)``), learning rate, images per
     second, and the share of time spent waiting for data, each against the
     epoch (counted from 1); and the last epoch's confusion matrix, row-normalised,
     when it has at most 50 classes.
@@ -137,8 +139,11 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
     base = Path(run_dir) if Path(run_dir).is_dir() else Path(run_dir).parent
     out, form = _output(out if out is not None else base / "curves.png")
     header, records = read_metrics(run_dir)
-    panels = [(t, [(k, n) for k, n in c if any(_number(r.get(k)) for r in records)])
-              for t, c in _PANELS]  # fmt: skip
+    # A run of at most 5 classes: top-5 is 100 % by definition (older files recorded it).
+    classes = header.get("classes")
+    left_out = {"val_acc5"} if isinstance(classes, list) and 0 < len(classes) <= 5 else set()
+    drawn = {k for _, c in _PANELS for k, _ in c if any(_number(r.get(k)) for r in records)}
+    panels = [(t, [(k, n) for k, n in c if k in drawn - left_out]) for t, c in _PANELS]
     panels = [(t, c) for t, c in panels if c]
     confusion = _last_confusion(records)
     count = len(panels) + (confusion is not None)
@@ -150,18 +155,20 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
     if confusion is not None:
         _draw_confusion(axes.flat[len(panels)], *confusion, header)
     for ax, (title, curves) in zip(axes.flat, panels, strict=False):
-        top = 0.0
+        top, low = 0.0, math.inf
         for key, label in curves:
             points = [(r["epoch"], r[key]) for r in records if _number(r.get(key))]
             scale = 100.0 if key == "data_wait" else 1.0
             values = [p[1] * scale for p in points]
-            top = max([top, *values])
+            top, low = max([top, *values]), min([low, *values])
             ax.plot([p[0] for p in points], values, marker="o", markersize=3, label=label)
         ax.set_title(title)
         ax.set_xlabel("epoch")
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
-        if key == "lr":
+        # A loss spans decades, and one spike of the validation loss would flatten the
+        # training curve on a linear axis: both stay readable on a log one.
+        if key == "lr" or (title == "loss" and low > 0):
             ax.set_yscale("log")
         elif key in _FROM_ZERO:
             ax.set_ylim(0, max(_FROM_ZERO[key], top * 1.15))

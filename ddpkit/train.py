@@ -34,11 +34,13 @@ from torch import nn
 from ddpkit import comm
 from ddpkit._numbers import positive_seconds
 from ddpkit.checkpoint import CheckpointManager
+from ddpkit.checkpoint_sync import claim_directory
 from ddpkit.control import StepControl
 from ddpkit.data.resume import data_identity
 from ddpkit.devices import module_device
 from ddpkit.ema import sync_ema_buffers
 from ddpkit.evaluation import Criterion, evaluate
+from ddpkit.parallel import sync_buffers
 from ddpkit.position import Position
 from ddpkit.reporting import ReportConfig, Reporter
 from ddpkit.steps import Run, TrainConfig, TrainingError, resume_start, stop_now, train_epoch
@@ -61,6 +63,8 @@ _REPORT_KEYS = ("progress", "log_dir")
 # The confusion matrix goes into each epoch's record (and metrics.jsonl) up to this
 # many classes; beyond, evaluate() still returns it and per-class figures stay.
 _CONFUSION_IN_RECORD = 100
+# With this many classes or fewer, top-5 accuracy is 100 % by definition: not recorded.
+_TOP5_ALWAYS = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,7 +174,8 @@ def fit(
         criterion: ``criterion(logits, targets) -> loss`` (mean over the batch).
         epochs: train until this many epochs are done (counting resumed ones).
         val_loader: evaluated after each epoch; metrics are exact across ranks.
-            The record holds ``val_acc1`` ... and per class ``val_recall``,
+            The record holds ``val_acc1`` ... (``val_acc5`` only with more
+            than 5 classes: below, it is always 100 %) and per class ``val_recall``,
             ``val_precision`` (and ``val_confusion`` up to 100 classes), and
             ``val_worst_class`` (a name when the dataset has ``classes``).
         scheduler: stepped after each epoch, or after each optimizer step
@@ -206,7 +211,8 @@ def fit(
         ddpkit.Preempted: a stop signal; the checkpoint is written. Uncaught,
             the process exits with status 75.
         TrainingError: a loss that is not finite (names the epoch and step).
-        CheckpointError: a checkpoint write failed (on every rank), or resume failed.
+        CheckpointError: a checkpoint write failed (on every rank), resume failed, or a
+            fresh run's directory holds another run's files (``CheckpointManager(overwrite=)``).
         ValueError: ``epochs`` is negative, a config value is invalid, or
             ``resume`` without ``checkpoints``.
         TypeError: an unknown keyword argument.
@@ -234,6 +240,9 @@ def fit(
                            ema=ema)  # fmt: skip
         start = resume_start(checkpoints, train_loader, world, faults.on_data_change, scheduler)
         carried = _carried(checkpoints.loop, start, world, rank)
+    if checkpoints is not None and start is None:  # a fresh run: refused before it trains
+        dest, writes = checkpoints.directory, checkpoints.writes
+        claim_directory(dest, writes=writes, overwrite=checkpoints.overwrite)
     history = History()
     store = _control_store(world, rank)
     interval = checkpoints.every_minutes if checkpoints is not None else None
@@ -293,8 +302,11 @@ def _finish_epoch(
 ) -> None:
     """Validate, step the scheduler, report, save the epoch checkpoint, stop if asked."""
     config = run.config
+    # Each rank's BatchNorm statistics moved with its own last batches: from here on
+    # every rank holds rank 0's, the model (and average) validated is the one saved.
+    sync_buffers(run.model)
     if run.ema is not None:
-        sync_ema_buffers(run.ema)  # rank 0's, as the model's: the same average everywhere
+        sync_ema_buffers(run.ema)
     if val_loader is not None:
         measure = functools.partial(evaluate, criterion=run.criterion, normalize=config.normalize,
                                     amp=config.amp, device=run.device)  # fmt: skip
@@ -302,7 +314,8 @@ def _finish_epoch(
         record.update(_val_record(measure(run.model, watched()), val_loader))
         if run.ema is not None:
             averaged = measure(run.ema.module, watched())
-            record.update({f"val_ema_{k}": averaged[k] for k in ("acc1", "acc5", "loss")})
+            keys = ("acc1", "acc5", "loss") if "val_acc5" in record else ("acc1", "loss")
+            record.update({f"val_ema_{k}": averaged[k] for k in keys})
     if run.scheduler is not None and not run.per_step:
         run.scheduler.step()
     record["wall_seconds"] = time.perf_counter() - began
@@ -329,6 +342,8 @@ def _val_record(val: dict[str, Any], loader: Iterable[Any]) -> dict[str, Any]:
     val = dict(val)
     if len(val.get("confusion", ())) > _CONFUSION_IN_RECORD:
         del val["confusion"]
+    if 0 < len(val.get("recall") or ()) <= _TOP5_ALWAYS:  # top-5 of at most 5 classes: 100 %
+        del val["acc5"]
     classes = getattr(getattr(loader, "dataset", None), "classes", None)
     worst = val.get("worst_class")
     if worst is not None and isinstance(classes, Sequence) and worst < len(classes):

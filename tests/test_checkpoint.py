@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit import CheckpointError, CheckpointManager, load_checkpoint
+from ddpkit.position import Position
 from ddpkit.testing import run_distributed
 
 
@@ -296,3 +297,93 @@ def test_a_checkpoint_describes_its_epoch_counted_from_1(tmp_path: Path) -> None
     _save_one_process(tmp_path / "two", [10.0, 40.0], keep_last=2)
     second = read_header(tmp_path / "two" / "latest.pth").describe()
     assert second == "latest.pth (epoch: end of epoch 2, step 0)"
+
+
+def _run_files(directory: Path, kind: str) -> None:
+    """Leave in ``directory`` what a run of ``kind`` leaves there."""
+    model, optimizer, _, _ = _setup(1)
+    manager = CheckpointManager(directory, prefix="old")
+    if kind in ("finished", "interrupted", "best only"):
+        for epoch, acc1 in enumerate((30.0, 20.0)):
+            manager.save(epoch, model, optimizer, metrics={"acc1": acc1})
+    if kind == "interrupted":
+        manager.save_step(Position(2, 1, 4, 3, 1), model, optimizer, kind="interrupted")
+    if kind == "steps only":
+        manager.save_step(Position(0, 1, 4, 1, 1), model, optimizer)
+    if kind == "best only":
+        for path in directory.iterdir():
+            if path.name != "best.pth":
+                path.unlink()
+    if kind == "unrelated":
+        directory.mkdir()
+        (directory / "notes.txt").write_text("mine")
+        (directory / "metrics.jsonl").write_text("{}\n")
+    if kind == "empty":
+        directory.mkdir()
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"),
+    [
+        ("finished", "latest.pth (epoch: end of epoch 2, step 0), best acc1 30.00% at epoch 1"),
+        ("interrupted", "interrupted.pth (interrupted: in epoch 3, step 3)"),
+        ("steps only", "step-000000001.pth (step: in epoch 1, step 1)"),
+        ("best only", "no full checkpoint (weights only); files: best.pth."),
+    ],
+)
+def test_a_fresh_run_refuses_another_runs_directory(tmp_path: Path, kind: str, said: str) -> None:
+    directory = tmp_path / "run"
+    _run_files(directory, kind)
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    model, optimizer, _, _ = _setup(2)
+    with pytest.raises(CheckpointError) as caught:
+        CheckpointManager(directory, prefix="new").save(0, model, optimizer, metrics={"acc1": 5.0})
+    message = str(caught.value)
+    assert said in message
+    for choice in ("--resume", "another directory", "overwrite=True", "--overwrite"):
+        assert choice in message
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before  # nothing touched
+    # With overwrite the old run's files go first: best.pth is the new run's, none is left over.
+    manager = CheckpointManager(directory, prefix="new", overwrite=True)
+    manager.save(0, model, optimizer, metrics={"acc1": 5.0})
+    assert _leftovers(directory) == ["best.pth", "latest.pth", "new-epoch1-acc5.00.pth"]
+    assert (directory / "best.pth").read_bytes() == (
+        directory / "new-epoch1-acc5.00.pth"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["empty", "unrelated", "missing"])
+def test_a_fresh_run_takes_a_directory_without_a_run(tmp_path: Path, kind: str) -> None:
+    directory = tmp_path / "run"
+    _run_files(directory, kind)
+    model, optimizer, _, _ = _setup(2)
+    CheckpointManager(directory, prefix="new").save(0, model, optimizer, metrics={"acc1": 5.0})
+    others = ["metrics.jsonl", "notes.txt"] if kind == "unrelated" else []
+    assert _leftovers(directory) == sorted(
+        ["best.pth", "latest.pth", "new-epoch1-acc5.00.pth", *others]
+    )
+
+
+def test_fit_refuses_another_run_before_training(tmp_path: Path) -> None:
+    from ddpkit import ReportConfig, fit
+
+    _run_files(tmp_path, "finished")
+    model, optimizer, _, _ = _setup(2)
+    weights = [p.detach().clone() for p in model.parameters()]
+    data = [(torch.randn(4, 4), torch.randint(0, 2, (4,)))]
+    for resume in (False, True):
+        if resume:  # resuming what is there is the way to continue it
+            (tmp_path / "latest.pth").unlink()
+            (tmp_path / "previous.pth").unlink()  # left: weight files and best.pth only
+        with pytest.raises(CheckpointError, match="holds another run's checkpoints"):
+            fit(
+                model,
+                data,
+                optimizer,
+                criterion=nn.CrossEntropyLoss(),
+                epochs=1,
+                checkpoints=CheckpointManager(tmp_path),
+                resume=resume,
+                report=ReportConfig(progress=False),
+            )
+        assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))

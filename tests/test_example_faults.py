@@ -238,3 +238,19 @@ def test_sigterm_to_torchrun_reaches_the_workers_which_save_and_resume_bit_exact
     out = _run(_spawn(data, tmp_path, 2, "--resume"))
     assert "resuming at epoch" in out, out[-4000:]
     _assert_equal(_final(tmp_path), reference)
+
+
+@pytest.mark.timeout(2 * _LIMIT_S)
+def test_ctrl_c_to_torchrun_stops_the_ranks_with_a_checkpoint(data: Path, tmp_path: Path) -> None:
+    # What docs/quickstart.md says a person sees: the ranks' stop line and checkpoint, then
+    # torchrun's own SignalException traceback and its exit status 1.
+    def interrupt(proc: subprocess.Popen[str]) -> None:
+        _when_step_saved(tmp_path, 2)
+        proc.send_signal(signal.SIGINT)
+
+    code, out = _launch([*_torchrun(), *_args(data, tmp_path)], interrupt)
+    assert code == 1, out[-4000:]
+    said = re.search(r"stopped by SIGINT after step \d+, checkpoint (\S+);", out)
+    assert said is not None, out[-4000:]
+    assert Path(said.group(1)).is_file()
+    assert "SignalException" in out[said.end() :]  # torchrun's traceback comes after it

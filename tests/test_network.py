@@ -10,6 +10,7 @@ import pytest
 from net_fixtures import loopback
 
 from ddpkit import NetworkConfigError, configure_network, plan_network
+from ddpkit.network import shown
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux interfaces")
 
@@ -30,7 +31,8 @@ def test_configure_auto_routes_to_master(no_ib: str, caplog: pytest.LogCaptureFi
         "NCCL_IB_DISABLE": "1",
     }
     assert env == out
-    assert f"set NCCL_SOCKET_IFNAME=={lo} (routes to 127.0.0.1)" in caplog.text
+    assert f"set NCCL_SOCKET_IFNAME='={lo}' (exactly {lo}) (routes to 127.0.0.1)" in caplog.text
+    assert "==" not in caplog.text  # NCCL's exact-match syntax, spelt out
 
 
 def test_configure_auto_reads_master_addr_from_environ(no_ib: str) -> None:
@@ -203,3 +205,27 @@ def test_unroutable_master_with_both_variables_set_is_not_an_error(no_ib: str) -
     assert plan.route_error is not None
     assert not plan.errors
     assert plan.apply(dict(env)) == {"NCCL_IB_DISABLE": "1"}
+
+
+def test_shown_spells_out_nccl_syntax() -> None:
+    assert shown("NCCL_SOCKET_IFNAME", "=eth1") == "NCCL_SOCKET_IFNAME='=eth1' (exactly eth1)"
+    assert shown("NCCL_SOCKET_IFNAME", "^docker") == "NCCL_SOCKET_IFNAME='^docker' (all but docker)"
+    assert shown("GLOO_SOCKET_IFNAME", "eth1") == "GLOO_SOCKET_IFNAME=eth1"
+
+
+@pytest.mark.parametrize(("backend", "log"), [("gloo", True), ("nccl", True), ("nccl", False)])
+def test_apply_logs_once_per_node_and_no_nccl_for_gloo(
+    no_ib: str, caplog: pytest.LogCaptureFixture, backend: str, log: bool
+) -> None:
+    env: dict[str, str] = {}
+    plan = plan_network(master_addr="127.0.0.1", environ=env, ib_sysfs=no_ib, backend=backend)
+    with caplog.at_level(logging.INFO, logger="ddpkit"):
+        changed = plan.apply(env, log=log)
+    assert "NCCL_IB_DISABLE" in changed  # set all the same: a later NCCL group uses them
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    if not log:
+        assert info == []
+    elif backend == "gloo":
+        assert info == [f"network: set GLOO_SOCKET_IFNAME={loopback()} (routes to 127.0.0.1)"]
+    else:
+        assert any("NCCL_IB_DISABLE=1" in line for line in info)

@@ -116,3 +116,48 @@ def test_the_confusion_matrix_of_the_last_epoch_is_drawn_up_to_50_classes(tmp_pa
     assert _last_confusion([{"epoch": 1, "val_confusion": [[0] * 51] * 51}]) is None
     for damaged in ([[1, 2], [3]], [[1, "x"], [0, 1]], [[1, -1], [0, 1]], [1, 2]):
         assert _last_confusion([{"epoch": 1, "val_confusion": damaged}]) is None, damaged
+
+
+def _figure(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    header: dict[str, Any],
+    records: list[dict[str, Any]],
+) -> Any:
+    """The matplotlib figure plot_run draws for ``records``, kept from being closed."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    drawn: list[Any] = []
+    monkeypatch.setattr(plt, "close", drawn.append)
+    _write(tmp_path / "metrics.jsonl", [{"run": {"id": "x", "resumed": False, **header}}, *records])
+    plot_run(tmp_path)
+    (figure,) = drawn
+    return figure
+
+
+def _panel(figure: Any, title: str) -> Any:
+    return next(ax for ax in figure.axes if ax.get_visible() and ax.get_title() == title)
+
+
+def test_a_validation_loss_spike_leaves_the_train_curve_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    records = [_epoch(n, 10.0 * n) for n in (1, 2, 3, 4)]
+    records[2]["val_loss"] = 400.0  # one diverged validation
+    loss = _panel(_figure(tmp_path, monkeypatch, {}, records), "loss")
+    assert loss.get_yscale() == "log"
+    low, high = loss.get_ylim()
+    # train_loss goes 2.0 -> 0.5: on the log axis it spans a visible share of the height.
+    import math
+
+    assert (math.log(2.0) - math.log(0.5)) / (math.log(high) - math.log(low)) > 0.15
+
+
+@pytest.mark.parametrize(
+    ("classes", "top5"), [(["a", "b", "c", "d"], False), (list("abcdef"), True)]
+)
+def test_top5_is_drawn_only_above_five_classes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, classes: list[str], top5: bool
+) -> None:
+    figure = _figure(tmp_path, monkeypatch, {"classes": classes}, [_epoch(n, 50.0) for n in (1, 2)])
+    labels = [line.get_label() for line in _panel(figure, "validation accuracy (%)").get_lines()]
+    assert labels == (["top-1", "top-5"] if top5 else ["top-1"])

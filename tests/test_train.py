@@ -390,3 +390,82 @@ def test_a_batch_larger_than_the_data_fails_before_training(
             criterion=nn.CrossEntropyLoss(), epochs=2, config=RAW, report=QUIET,
             checkpoints=CheckpointManager(tmp_path / "ckpt"))  # fmt: skip
     assert not (tmp_path / "ckpt").exists()
+
+
+def _figures(metrics: dict[str, object], prefix: str = "") -> tuple[object, ...]:
+    # 3 classes: fit records no val_acc5 (always 100 %).
+    return tuple(metrics[f"{prefix}{k}"] for k in ("acc1", "loss", "samples"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("world_size", "ema"), [(2, False), (3, False), (2, True)])
+def test_validation_scores_the_saved_model(tmp_path: Path, world_size: int, ema: bool) -> None:
+    # Without SyncBN each rank's BatchNorm statistics follow its own batches. The
+    # figures fit prints and records must be those of the weights it saves, to the
+    # last digit, evaluated on one process and on these ranks.
+    from train_jobs import bn_net, validated_run
+
+    out = run_distributed(validated_run, world_size, args=(str(tmp_path), ema), timeout=240)
+    records = out[0]["records"]
+    for o in out:
+        for mine, first in zip(o["records"], records, strict=True):
+            assert _figures(mine, "val_") == _figures(first, "val_"), "ranks disagree"
+    last = records[-1]
+    saved = load_checkpoint(tmp_path / "latest.pth")
+    prefix = "val_ema_" if saved["weights"] == "ema" else "val_"
+    assert saved["acc1"] == last[f"{prefix}acc1"]
+    for o in out:  # evaluate() after fit, on every rank: the model in memory is the saved one
+        assert _figures(o["after"]) == _figures(last, "val_")
+    loader = build_loader(
+        NoisyBlobs(n=37, seed=2, augment=False), batch_size=4, train=False, workers=0, info=_info()
+    )
+    files = out[0]["files"]
+    by_epoch = {int(n.split("epoch")[1].split("-")[0]): n for n in files if n.startswith("bn-")}
+    assert sorted(by_epoch) == [1, 2]
+    assert "best.pth" in files
+    best = max(records, key=lambda r: max(r["val_acc1"], r.get("val_ema_acc1", -1.0)))
+    for epoch, name in by_epoch.items():
+        record = records[epoch - 1]
+        ranked = "val_ema_" if record.get("val_ema_acc1", -1.0) > record["val_acc1"] else "val_"
+        expected = tuple(record[f"{ranked}{k}"] for k in ("acc1", "loss"))
+        assert f"acc{expected[0]:.2f}" in name
+        for o in out:  # the weight file on these ranks
+            assert _figures(o["files"][name])[:2] == expected, name
+        model = bn_net()
+        model.load_state_dict(load_checkpoint(tmp_path / name))
+        one = evaluate(model, loader, criterion=nn.CrossEntropyLoss(), normalize=None)
+        # Other batches run other float32 kernels: the loss agrees to float32 rounding.
+        assert one["acc1"] == expected[0], f"{name} on one process"
+        assert one["loss"] == pytest.approx(expected[1], rel=1e-6, abs=0)
+        if record is best:
+            assert _figures(files["best.pth"])[:2] == expected
+
+
+def test_top5_is_left_out_with_five_classes_or_fewer(capsys: pytest.CaptureFixture[str]) -> None:
+    # Top-5 of 3 classes is 100 % whatever the model: it is neither recorded nor printed.
+    torch.manual_seed(0)
+    from train_jobs import bn_net
+
+    model = bn_net()
+    loader = build_loader(NoisyBlobs(n=12), batch_size=4, train=True, workers=0, info=_info())
+    val = build_loader(
+        NoisyBlobs(n=8, augment=False), batch_size=4, train=False, workers=0, info=_info()
+    )
+    history = fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        epochs=1,
+        val_loader=val,
+        config=RAW,
+        report=QUIET,
+    )
+    record = history.last
+    assert "val_acc1" in record
+    assert "val_acc5" not in record
+    line = capsys.readouterr().out
+    assert "val_acc1" in line
+    assert "acc5" not in line
+    # evaluate() itself still returns it: a caller's own figures keep their keys.
+    assert evaluate(model, val, normalize=None)["acc5"] == 100.0

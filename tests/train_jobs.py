@@ -6,6 +6,7 @@ import faulthandler
 import multiprocessing
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +20,10 @@ from ddpkit import (
     ReportConfig,
     TrainConfig,
     build_loader,
+    evaluate,
     fit,
+    load_checkpoint,
+    model_ema,
     wrap_ddp,
 )
 
@@ -171,3 +175,50 @@ def slow_workers_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[s
         faults=FaultConfig(hang_timeout=plan["hang_timeout"]),
     )
     return {"epochs": [r["epoch"] for r in history.records]}
+
+
+def bn_net() -> nn.Module:
+    """BatchNorm without dropout: what a rank validates is a function of its weights and buffers."""
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def validated_run(rank: int, world_size: int, directory: str, ema: bool) -> dict[str, object]:
+    """fit() with validation on plain BatchNorm (no SyncBN on CPU): figures and files to compare.
+
+    Each rank trains on its own share of the data, so its BatchNorm running
+    statistics differ from the others'. Returns the history's figures, what
+    ``evaluate`` gives after ``fit`` on these ranks, and what it gives on these
+    ranks for the epoch's weight files and ``best.pth`` loaded into a fresh model.
+    """
+    torch.manual_seed(1234)
+    info = DistInfo(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", True)
+    model = wrap_ddp(bn_net())
+    average = model_ema(model, decay=0.5) if ema else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    train = build_loader(
+        NoisyBlobs(n=60, seed=1), batch_size=3, train=True, workers=0, seed=5, info=info
+    )
+    val = build_loader(
+        NoisyBlobs(n=37, seed=2, augment=False), batch_size=4, train=False, workers=0, info=info
+    )
+    criterion = nn.CrossEntropyLoss()
+    history = fit(
+        model,
+        train,
+        optimizer,
+        criterion=criterion,
+        epochs=2,
+        val_loader=val,
+        ema=average,
+        checkpoints=CheckpointManager(directory, prefix="bn"),
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(progress=False),
+    )
+    after = evaluate(model, val, criterion=criterion, normalize=None)
+    files: dict[str, dict[str, float]] = {}
+    for path in sorted(Path(directory).glob("*.pth")):
+        if path.name.startswith("bn-") or path.name == "best.pth":
+            fresh = bn_net()
+            fresh.load_state_dict(load_checkpoint(path))
+            files[path.name] = evaluate(fresh, val, criterion=criterion, normalize=None)
+    return {"records": history.records, "after": after, "files": files}
