@@ -8,31 +8,16 @@ status 2, no traceback.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 from corpus import image_tree
 
 from ddpkit.data import build_lmdb
-
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "seresnext_lmdb.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("seresnext_lmdb_flags", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-example = _load()
+from ddpkit.examples import seresnext_lmdb as example
 
 _BAD: list[tuple[list[str], str]] = [
     (["--image-size", "0"], "--image-size: must be >= 32"),
@@ -132,7 +117,8 @@ def test_one_class_of_data_with_mixup_fails_before_any_training(tmp_path: Path) 
     for flag, value in (("--mixup", "0.8"), ("--cutmix", "1.0")):
         cmd = [
             sys.executable,
-            str(SCRIPT),
+            "-m",
+            "ddpkit.examples.seresnext_lmdb",
             "--data",
             str(tmp_path),
             flag,
