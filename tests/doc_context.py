@@ -118,6 +118,13 @@ def names() -> dict[str, Callable[[dict[str, Any]], Any]]:
     from ddpkit.losses import FocalLoss
     from ddpkit.parallel import no_sync
 
+    def continuing_manager(ns: dict[str, Any]) -> Any:
+        """The manager of the world's run in ``checkpoints``, resumed: the docs' loops continue
+        it (a fresh manager refuses a directory that holds another run)."""
+        manager = ddpkit.CheckpointManager("checkpoints", prefix="doc")
+        manager.resume(small_model())
+        return manager
+
     def first_batch(ns: dict[str, Any]) -> Any:
         return next(iter(ns["train_loader"]))
 
@@ -190,7 +197,7 @@ def names() -> dict[str, Callable[[dict[str, Any]], Any]]:
             "scheduler": lambda ns: torch.optim.lr_scheduler.MultiStepLR(ns["optimizer"], [1]),
             "scaler": lambda ns: torch.amp.GradScaler("cpu", enabled=False),
             "criterion": lambda ns: FocalLoss(num_class=CLASSES, gamma=2.0, smooth=0.1),
-            "manager": lambda ns: ddpkit.CheckpointManager("checkpoints", prefix="doc"),
+            "manager": continuing_manager,
             "images": lambda ns: first_batch(ns)[0],
             "batch": lambda ns: first_batch(ns)[0],
             "targets": lambda ns: first_batch(ns)[1],
