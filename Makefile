@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml ddpkit/_version.py | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test test-all lint bench venv clean
 
 venv: $(STAMP)
 
@@ -51,6 +51,10 @@ test: lint
 	echo "make test: $$((middle - start)) s single-process (-n 2, status $$one)" \
 		"+ $$((end - middle)) s multi-process (status $$two) = $$((end - start)) s in all"; \
 	{ [ $$one -eq 0 ] || [ $$one -eq 5 ]; } && { [ $$two -eq 0 ] || [ $$two -eq 5 ]; }
+
+# The same, with the longer variants marked slow (tests/conftest.py; docs/testing.md lists them).
+test-all:
+	@$(MAKE) --no-print-directory test PYTEST_ARGS="--slow $(PYTEST_ARGS)"
 
 # Every benchmarks/*.py except the _helpers; each prints ratios measured side by side.
 bench: $(STAMP)

@@ -8,23 +8,20 @@ starts without importing torch.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
+from ddpkit import _graveyard
 from ddpkit._version import __version__
 
+_graveyard.install()  # the modules of earlier releases still import, with a warning
+
 if TYPE_CHECKING:
-    from ddpkit.checkpoint import CheckpointManager
-    from ddpkit.comm import (
-        all_gather_object,
-        all_reduce_sum,
-        barrier,
-        get_local_rank,
-        get_rank,
-        get_world_size,
-        is_main_process,
+    from ddpkit.checkpoint import (
+        CheckpointError,
+        CheckpointManager,
+        load_checkpoint,
+        save_checkpoint,
     )
-    from ddpkit.control import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE, Preempted
     from ddpkit.data import (
         IMAGENET_MEAN,
         IMAGENET_STD,
@@ -36,110 +33,122 @@ if TYPE_CHECKING:
         LMDBFormatError,
         build_lmdb,
         build_loader,
+        mixup_cutmix,
         normalize_batch,
         set_epoch,
         train_transform,
         val_transform,
     )
-    from ddpkit.data.mixing import mixup_cutmix
-    from ddpkit.dist import init_distributed, shutdown
-    from ddpkit.ema import model_ema
-    from ddpkit.evaluation import evaluate
-    from ddpkit.job import DistInfo
-    from ddpkit.losses import FocalLoss
-    from ddpkit.models import PretrainedReport, freeze_backbone, load_pretrained
-    from ddpkit.network import NetworkConfigError, NetworkPlan, configure_network, plan_network
-    from ddpkit.parallel import no_sync, unwrap_model, wrap_ddp
-    from ddpkit.position import Position
-    from ddpkit.processes import RankFailedError
-    from ddpkit.rank0 import Rank0Error, rank0_first, rank0_only
-    from ddpkit.rendezvous import RendezvousError
-    from ddpkit.reporting import ReportConfig
-    from ddpkit.schedules import linear_scaled_lr, warmup_schedule
-    from ddpkit.serialization import CheckpointError, load_checkpoint, save_checkpoint
-    from ddpkit.spawning import spawn
-    from ddpkit.steps import TrainConfig, TrainingError
-    from ddpkit.train import FaultConfig, History, fit
+    from ddpkit.distributed import (
+        HANG_EXIT_CODE,
+        PREEMPTED_EXIT_CODE,
+        DistInfo,
+        NetworkConfigError,
+        NetworkPlan,
+        Preempted,
+        Rank0Error,
+        RankFailedError,
+        RendezvousError,
+        all_gather_object,
+        all_reduce_sum,
+        barrier,
+        configure_network,
+        get_local_rank,
+        get_rank,
+        get_world_size,
+        init_distributed,
+        is_main_process,
+        no_sync,
+        plan_network,
+        rank0_first,
+        rank0_only,
+        shutdown,
+        spawn,
+        unwrap_model,
+        wrap_ddp,
+    )
+    from ddpkit.position import (
+        Position,
+    )
+    from ddpkit.training import (
+        FaultConfig,
+        FocalLoss,
+        History,
+        PretrainedReport,
+        ReportConfig,
+        TrainConfig,
+        TrainingError,
+        evaluate,
+        fit,
+        freeze_backbone,
+        linear_scaled_lr,
+        load_pretrained,
+        model_ema,
+        warmup_schedule,
+    )
 
-# Public name -> the module that defines it.
+# Public name -> the package (or module) whose public face holds it.
 _EXPORTS = {
+    "CheckpointError": "ddpkit.checkpoint",
     "CheckpointManager": "ddpkit.checkpoint",
-    "all_gather_object": "ddpkit.comm",
-    "all_reduce_sum": "ddpkit.comm",
-    "barrier": "ddpkit.comm",
-    "get_local_rank": "ddpkit.comm",
-    "get_rank": "ddpkit.comm",
-    "get_world_size": "ddpkit.comm",
-    "is_main_process": "ddpkit.comm",
-    "HANG_EXIT_CODE": "ddpkit.control",
-    "PREEMPTED_EXIT_CODE": "ddpkit.control",
-    "Preempted": "ddpkit.control",
-    "BuildSummary": "ddpkit.data",
-    "DistributedEvalSampler": "ddpkit.data",
+    "load_checkpoint": "ddpkit.checkpoint",
+    "save_checkpoint": "ddpkit.checkpoint",
     "IMAGENET_MEAN": "ddpkit.data",
     "IMAGENET_STD": "ddpkit.data",
+    "BuildSummary": "ddpkit.data",
+    "DistributedEvalSampler": "ddpkit.data",
     "ImageError": "ddpkit.data",
     "ImageTooLargeError": "ddpkit.data",
     "LMDBFormatError": "ddpkit.data",
     "LazyLMDBDataset": "ddpkit.data",
     "build_lmdb": "ddpkit.data",
     "build_loader": "ddpkit.data",
+    "mixup_cutmix": "ddpkit.data",
     "normalize_batch": "ddpkit.data",
     "set_epoch": "ddpkit.data",
     "train_transform": "ddpkit.data",
     "val_transform": "ddpkit.data",
-    "mixup_cutmix": "ddpkit.data.mixing",
-    "model_ema": "ddpkit.ema",
-    "linear_scaled_lr": "ddpkit.schedules",
-    "warmup_schedule": "ddpkit.schedules",
-    "init_distributed": "ddpkit.dist",
-    "shutdown": "ddpkit.dist",
-    "DistInfo": "ddpkit.job",
-    "FocalLoss": "ddpkit.losses",
-    "PretrainedReport": "ddpkit.models",
-    "freeze_backbone": "ddpkit.models",
-    "load_pretrained": "ddpkit.models",
-    "NetworkConfigError": "ddpkit.network",
-    "NetworkPlan": "ddpkit.network",
-    "configure_network": "ddpkit.network",
-    "plan_network": "ddpkit.network",
-    "no_sync": "ddpkit.parallel",
-    "unwrap_model": "ddpkit.parallel",
-    "wrap_ddp": "ddpkit.parallel",
-    "RankFailedError": "ddpkit.processes",
-    "Rank0Error": "ddpkit.rank0",
-    "rank0_first": "ddpkit.rank0",
-    "rank0_only": "ddpkit.rank0",
-    "RendezvousError": "ddpkit.rendezvous",
-    "ReportConfig": "ddpkit.reporting",
-    "CheckpointError": "ddpkit.serialization",
-    "load_checkpoint": "ddpkit.serialization",
-    "save_checkpoint": "ddpkit.serialization",
-    "spawn": "ddpkit.spawning",
-    "evaluate": "ddpkit.evaluation",
+    "HANG_EXIT_CODE": "ddpkit.distributed",
+    "PREEMPTED_EXIT_CODE": "ddpkit.distributed",
+    "DistInfo": "ddpkit.distributed",
+    "NetworkConfigError": "ddpkit.distributed",
+    "NetworkPlan": "ddpkit.distributed",
+    "Preempted": "ddpkit.distributed",
+    "Rank0Error": "ddpkit.distributed",
+    "RankFailedError": "ddpkit.distributed",
+    "RendezvousError": "ddpkit.distributed",
+    "all_gather_object": "ddpkit.distributed",
+    "all_reduce_sum": "ddpkit.distributed",
+    "barrier": "ddpkit.distributed",
+    "configure_network": "ddpkit.distributed",
+    "get_local_rank": "ddpkit.distributed",
+    "get_rank": "ddpkit.distributed",
+    "get_world_size": "ddpkit.distributed",
+    "init_distributed": "ddpkit.distributed",
+    "is_main_process": "ddpkit.distributed",
+    "no_sync": "ddpkit.distributed",
+    "plan_network": "ddpkit.distributed",
+    "rank0_first": "ddpkit.distributed",
+    "rank0_only": "ddpkit.distributed",
+    "shutdown": "ddpkit.distributed",
+    "spawn": "ddpkit.distributed",
+    "unwrap_model": "ddpkit.distributed",
+    "wrap_ddp": "ddpkit.distributed",
     "Position": "ddpkit.position",
-    "TrainConfig": "ddpkit.steps",
-    "TrainingError": "ddpkit.steps",
-    "FaultConfig": "ddpkit.train",
-    "History": "ddpkit.train",
-    "fit": "ddpkit.train",
-}
-
-# Former public names: (module, name there, what to use instead). They still
-# resolve, with a DeprecationWarning, until ddpkit 0.3.
-_DEPRECATED = {
-    "LaunchEnv": (
-        "ddpkit.launchers",
-        "LaunchEnv",
-        "init_distributed() and its DistInfo (or ddpkit.launchers.LaunchEnv)",
-    ),
-    "detect_launcher": (
-        "ddpkit.launchers",
-        "detect_launcher",
-        "init_distributed() and its DistInfo (or ddpkit.launchers.detect_launcher)",
-    ),
-    "RankZeroError": ("ddpkit.rank0", "Rank0Error", "ddpkit.Rank0Error"),
-    "rank_zero_first": ("ddpkit.rank0", "rank0_first", "ddpkit.rank0_first"),
+    "FaultConfig": "ddpkit.training",
+    "FocalLoss": "ddpkit.training",
+    "History": "ddpkit.training",
+    "PretrainedReport": "ddpkit.training",
+    "ReportConfig": "ddpkit.training",
+    "TrainConfig": "ddpkit.training",
+    "TrainingError": "ddpkit.training",
+    "evaluate": "ddpkit.training",
+    "fit": "ddpkit.training",
+    "freeze_backbone": "ddpkit.training",
+    "linear_scaled_lr": "ddpkit.training",
+    "load_pretrained": "ddpkit.training",
+    "model_ema": "ddpkit.training",
+    "warmup_schedule": "ddpkit.training",
 }
 
 __all__ = [
@@ -213,15 +222,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value  # later look-ups skip this function
         return value
-    if name in _DEPRECATED:
-        module, attribute, instead = _DEPRECATED[name]
-        warnings.warn(
-            f"ddpkit.{name} is deprecated and will be removed in ddpkit 0.3; use {instead}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(module), attribute)
-    raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
+    return _graveyard.moved_name("ddpkit", name)
 
 
 def __dir__() -> list[str]:

@@ -76,7 +76,7 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
-    from ddpkit import doctor  # imports torch: only when the command runs
+    from ddpkit.distributed import doctor  # imports torch: only when the command runs
 
     checks = doctor.run_checks(
         master_addr=args.master_addr,
@@ -349,7 +349,7 @@ def _run_lmdb_verify(args: argparse.Namespace) -> int:
 
 @_reporting_errors
 def _run_plot(args: argparse.Namespace) -> int:
-    from ddpkit.plotting import PlotUnavailable, plot_run
+    from ddpkit.training.plotting import PlotUnavailable, plot_run
 
     try:
         out = plot_run(args.run_dir, args.output)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from ddpkit._numbers import as_int, positive_seconds
-from ddpkit.processes import RankFailedError, run_processes
+from ddpkit.distributed.processes import RankFailedError, run_processes
 
 __all__ = ["DistributedTestError", "run_distributed"]
 

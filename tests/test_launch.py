@@ -15,9 +15,9 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 # Tests that send SIGINT and need Python's own Ctrl-C handling in the process they signal.
 _SAMPLE = [
-    "test_spawn_restarts.py::test_ctrl_c_reaches_the_children_once_through_the_parent",
-    "test_lmdb_build.py::test_interrupted_build_leaves_no_database[SIGINT]",
-    "test_control.py::test_a_second_ctrl_c_after_a_second_stops_at_once",
+    "distributed/test_spawning_restarts.py::test_ctrl_c_reaches_the_children_once_through_the_parent",
+    "data/test_lmdb_build.py::test_interrupted_build_leaves_no_database[SIGINT]",
+    "distributed/test_stops.py::test_a_second_ctrl_c_after_a_second_stops_at_once",
 ]
 
 

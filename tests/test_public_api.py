@@ -6,11 +6,14 @@ import ast
 import importlib
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import ddpkit
+from ddpkit import _graveyard
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,30 +38,140 @@ def test_import_does_not_load_torch() -> None:
     assert out.stdout.split() == [ddpkit.__version__, "False"]
 
 
-@pytest.mark.parametrize(
-    ("old", "module", "new"),
-    [
-        ("LaunchEnv", "ddpkit.launchers", "LaunchEnv"),
-        ("detect_launcher", "ddpkit.launchers", "detect_launcher"),
-        ("RankZeroError", "ddpkit.rank0", "Rank0Error"),
-        ("rank_zero_first", "ddpkit.rank0", "rank0_first"),
+# Every name of ddpkit 0.1.0's __all__ and the module it was imported from then.
+_RELEASE_0_1_0 = {
+    "ddpkit._procs": ["RankFailedError"],
+    "ddpkit.comm": [
+        "all_gather_object",
+        "all_reduce_sum",
+        "barrier",
+        "get_local_rank",
+        "get_rank",
+        "get_world_size",
+        "is_main_process",
     ],
-)
-def test_former_names_still_resolve_with_a_warning(old: str, module: str, new: str) -> None:
-    assert old not in ddpkit.__all__
-    with pytest.warns(DeprecationWarning, match=f"ddpkit.{old} is deprecated"):
-        value = getattr(ddpkit, old)
-    assert value is getattr(importlib.import_module(module), new)
+    "ddpkit.data": [
+        "BuildSummary",
+        "DistributedEvalSampler",
+        "IMAGENET_MEAN",
+        "IMAGENET_STD",
+        "ImageError",
+        "LMDBFormatError",
+        "LazyLMDBDataset",
+        "build_lmdb",
+        "build_loader",
+        "normalize_batch",
+        "set_epoch",
+        "train_transform",
+        "val_transform",
+    ],
+    "ddpkit.dist": ["DistInfo", "RendezvousError", "init_distributed", "shutdown"],
+    "ddpkit.launch": ["spawn"],
+    "ddpkit.launchers": ["LaunchEnv", "detect_launcher"],
+    "ddpkit.network": ["NetworkConfigError", "configure_network"],
+    "ddpkit.checkpoint": [
+        "CheckpointError",
+        "CheckpointManager",
+        "load_checkpoint",
+        "rank0_only",
+        "save_checkpoint",
+    ],
+    "ddpkit.losses": ["FocalLoss"],
+    "ddpkit.models": ["PretrainedReport", "freeze_backbone", "load_pretrained"],
+    "ddpkit.parallel": ["no_sync", "unwrap_model", "wrap_ddp"],
+    "ddpkit.train": ["History", "TrainingError", "evaluate", "fit"],
+}
+# 0.1.0's top-level names that are no longer exported at the top.
+_LEFT_THE_TOP = {
+    "LaunchEnv": "ddpkit.distributed.launchers",
+    "detect_launcher": "ddpkit.distributed.launchers",
+}
+_CASES = [(module, name) for module, names in _RELEASE_0_1_0.items() for name in names]
 
 
-def test_former_checkpoint_names_still_resolve_with_a_warning() -> None:
-    import ddpkit.checkpoint
+def _import_fresh(module: str) -> tuple[Any, list[warnings.WarningMessage]]:
+    """Import ``module`` as a first import would (a stand-in warns when it is imported)."""
+    if module in _graveyard.MOVED_MODULES:
+        sys.modules.pop(module, None)
+        parent, _, child = module.rpartition(".")
+        if hasattr(sys.modules[parent], child):
+            delattr(sys.modules[parent], child)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # An import statement, compiled as this file's: the warning must point at it.
+        scope: dict[str, Any] = {}
+        exec(compile(f"import {module} as imported", __file__, "exec"), scope)
+    return scope["imported"], list(caught)
 
-    with pytest.warns(DeprecationWarning, match="now ddpkit.Rank0Error"):
-        assert ddpkit.checkpoint.RankZeroError is ddpkit.Rank0Error  # type: ignore[attr-defined]
-    with pytest.warns(DeprecationWarning, match="now ddpkit.rank0_first"):
-        assert ddpkit.checkpoint.rank_zero_first is ddpkit.rank0_first  # type: ignore[attr-defined]
-    with pytest.warns(DeprecationWarning, match=r"CheckpointManager\(prefix=...\)"):
+
+@pytest.mark.parametrize(("module", "name"), _CASES, ids=[f"{m}.{n}" for m, n in _CASES])
+def test_every_name_of_0_1_0_imports_from_its_0_1_0_path(module: str, name: str) -> None:
+    imported, caught = _import_fresh(module)
+    with warnings.catch_warnings(record=True) as looked_up:
+        warnings.simplefilter("always")
+        value = getattr(imported, name)
+    warned = [w for w in caught + looked_up if issubclass(w.category, DeprecationWarning)]
+    moved = module in _graveyard.MOVED_MODULES or (module, name) in _graveyard.MOVED_NAMES
+    assert len(warned) == (1 if moved else 0), [str(w.message) for w in warned]
+    if warned:
+        assert issubclass(warned[0].category, _graveyard.DdpkitDeprecationWarning)
+        assert "removed in ddpkit 0.3" in str(warned[0].message)
+        assert warned[0].filename == __file__, "the warning points at the importing line"
+    if name in _LEFT_THE_TOP:
+        assert value is getattr(importlib.import_module(_LEFT_THE_TOP[name]), name)
+    else:
+        assert value is getattr(ddpkit, name)
+
+
+@pytest.mark.parametrize("name", sorted({n for _, n in _CASES} - set(_LEFT_THE_TOP)))
+def test_every_name_of_0_1_0_is_still_at_the_top(name: str) -> None:
+    assert name in ddpkit.__all__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert getattr(ddpkit, name) is not None
+
+
+@pytest.mark.parametrize("name", sorted(_LEFT_THE_TOP))
+def test_names_that_left_the_top_still_resolve_there_with_a_warning(name: str) -> None:
+    with pytest.warns(_graveyard.DdpkitDeprecationWarning, match=f"ddpkit.{name} is deprecated"):
+        value = getattr(ddpkit, name)
+    assert value is getattr(importlib.import_module(_LEFT_THE_TOP[name]), name)
+
+
+@pytest.mark.parametrize("module", sorted(_graveyard.MOVED_MODULES))
+def test_every_moved_module_imports_with_one_warning_naming_its_new_home(module: str) -> None:
+    imported, caught = _import_fresh(module)
+    warned = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    home = _graveyard.MOVED_MODULES[module][0]
+    assert f"module {module} is deprecated" in str(warned[0].message)
+    assert home in str(warned[0].message)
+    public = [n for n in dir(importlib.import_module(home)) if not n.startswith("_")]
+    assert public, home
+    assert getattr(imported, public[0]) is getattr(importlib.import_module(home), public[0])
+    with pytest.raises(AttributeError, match="no_such_name"):
+        imported.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize(("module", "name"), sorted(_graveyard.MOVED_NAMES), ids=lambda v: str(v))
+def test_every_moved_name_resolves_with_a_warning(module: str, name: str) -> None:
+    new_module, new_name = _graveyard.MOVED_NAMES[(module, name)]
+    with pytest.warns(
+        _graveyard.DdpkitDeprecationWarning, match=rf"{module}\.{name} is deprecated"
+    ):
+        value = getattr(importlib.import_module(module), name)
+    assert value is getattr(importlib.import_module(new_module), new_name)
+
+
+def test_changelog_lists_every_moved_path() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    missing = [m for m in _graveyard.MOVED_MODULES if f"`{m}`" not in changelog]
+    missing += [f"{m}.{n}" for m, n in _graveyard.MOVED_NAMES if f"`{m}.{n}`" not in changelog]
+    assert missing == [], "CHANGELOG.md does not list these moves"
+
+
+def test_the_former_keyword_arguments_warn_through_the_one_channel() -> None:
+    with pytest.warns(_graveyard.DdpkitDeprecationWarning, match=r"CheckpointManager\(network="):
         manager = ddpkit.CheckpointManager("run", network="net")  # type: ignore[call-arg]
     assert manager.prefix == "net"
 

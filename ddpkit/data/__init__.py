@@ -1,4 +1,26 @@
-"""Datasets, transforms and loaders: the LMDB format, its builder and dataset, loaders."""
+"""Data: the LMDB format, its builder and dataset, transforms, samplers and loaders.
+
+Build a database once from an ImageFolder tree, a list file or a Parquet
+table (``lmdb_build``; the ``ddpkit lmdb build`` command), check it
+(``lmdb_inspect``; ``ddpkit lmdb verify``), then read it in every DataLoader
+worker with :class:`LazyLMDBDataset`, which opens the file lazily in each
+process (``lmdb_format``) and decodes with the one decoder the builder checked
+with (``images``)::
+
+    from ddpkit.data import LazyLMDBDataset, build_loader, train_transform
+
+    train = LazyLMDBDataset("data/train", transform=train_transform(224))
+    loader = build_loader(train, batch_size=256, train=True, workers=8)
+
+:func:`build_loader` picks the sampler (``samplers``): a seeded shuffle on
+each rank, or :class:`DistributedEvalSampler` (every sample once) for
+validation, and gives back the rest of an interrupted epoch (``resume``).
+``transforms`` works on uint8 tensors and normalises on the device;
+``mixing`` holds MixUp / CutMix on a batch.
+
+This package imports ``ddpkit.distributed`` and nothing of
+``ddpkit.checkpoint`` or ``ddpkit.training``.
+"""
 
 from ddpkit.data.images import ImageTooLargeError
 from ddpkit.data.lmdb_build import BuildSummary, ImageError, build_lmdb
@@ -6,6 +28,7 @@ from ddpkit.data.lmdb_dataset import LazyLMDBDataset
 from ddpkit.data.lmdb_format import LMDBFormatError, read_index
 from ddpkit.data.lmdb_inspect import VerifyReport, describe_lmdb, verify_lmdb, verify_report
 from ddpkit.data.loaders import build_loader
+from ddpkit.data.mixing import mixup_cutmix
 from ddpkit.data.samplers import DistributedEvalSampler, set_epoch
 from ddpkit.data.shapes import SHAPE_CLASSES, make_shapes_dataset
 from ddpkit.data.transforms import (
@@ -31,6 +54,7 @@ __all__ = [
     "build_loader",
     "describe_lmdb",
     "make_shapes_dataset",
+    "mixup_cutmix",
     "normalize_batch",
     "read_index",
     "set_epoch",

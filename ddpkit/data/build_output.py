@@ -102,8 +102,10 @@ def move_into_place(tmp: str, source: str, output: str, overwrite: bool) -> None
     elif exchange(tmp, output):
         if not _only_lmdb(tmp):  # swapped out something that is not a database: put it back
             exchange(tmp, output)
-            raise FileExistsError(f"{output} changed during the build and is not an LMDB "
-                                  "database now; it is left as it is")  # fmt: skip
+            raise FileExistsError(
+                f"{output} changed during the build and is not an LMDB "
+                "database now; it is left as it is"
+            )
         shutil.rmtree(tmp, ignore_errors=True)  # the old database, under the temporary name
     else:
         aside = os.fspath(temp_path(output, "old"))

@@ -105,11 +105,12 @@ def check_tiff_strips(image: Image.Image) -> None:
     Pillow leaves the rows no strip covers black, without a word.
     """
     width, height = image.size
-    covered = np.zeros(height, dtype=bool)
+    # Pixels each row's strips or tiles span: a row is covered once they reach across it.
+    across = np.zeros(height, dtype=np.int64)
     for tile in getattr(image, "tile", []):
         x0, y0, x1, y1 = tile[1]
-        if x0 <= 0 and x1 >= width:
-            covered[max(y0, 0) : min(y1, height)] = True
+        across[max(y0, 0) : min(y1, height)] += max(0, min(x1, width) - max(x0, 0))
+    covered = across >= width
     if not covered.all():
         raise ValueError(
             f"TIFF strips cover {int(covered.sum())} of the {height} rows its {width}x{height} "

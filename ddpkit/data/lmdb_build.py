@@ -16,13 +16,14 @@ from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import lmdb
 import numpy as np
 import pyarrow as pa
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
+from ddpkit import _graveyard
 from ddpkit._docs import see
 from ddpkit.data.build_output import check_output, move_into_place, temp_output
 from ddpkit.data.images import Check, pixel_limit, prepare_image
@@ -37,7 +38,7 @@ from ddpkit.data.lmdb_sources import (
     parquet_source,
 )
 from ddpkit.data.threads import check_workers, ordered_map
-from ddpkit.devices import usable_cpus
+from ddpkit.distributed.devices import usable_cpus
 from ddpkit.files import is_no_space, is_quota, no_space
 
 __all__ = ["MAX_MAP_SIZE", "MIN_MAP_SIZE", "BuildSummary", "ImageError", "build_lmdb"]
@@ -416,3 +417,7 @@ def _put_all(
             return
         except lmdb.MapFullError:  # the transaction was aborted: grow the map and redo it
             env.set_mapsize(env.info()["map_size"] * 2)
+
+
+def __getattr__(name: str) -> Any:
+    return _graveyard.moved_name(__name__, name)

@@ -27,7 +27,7 @@ from ddpkit.data.lmdb_format import (
     sample_key,
 )
 from ddpkit.data.threads import check_workers, ordered_map
-from ddpkit.devices import usable_cpus
+from ddpkit.distributed.devices import usable_cpus
 
 __all__ = ["BadSample", "VerifyReport", "describe_lmdb", "verify_lmdb", "verify_report"]
 

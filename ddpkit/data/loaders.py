@@ -26,21 +26,16 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from ddpkit import comm
+from ddpkit import _graveyard
 from ddpkit._docs import see
-from ddpkit.data.samplers import (
-    DistributedEvalSampler,
-    EpochIndexSampler,
-    EpochRandomSampler,
-    SeededSamples,
-    set_epoch,
-)
-from ddpkit.devices import cpu_share
-from ddpkit.job import DistInfo
-from ddpkit.launchers import local_world_size
+from ddpkit.data import samplers
+from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler, SeededSamples
+from ddpkit.distributed import comm
+from ddpkit.distributed.devices import cpu_share
+from ddpkit.distributed.job import DistInfo
+from ddpkit.distributed.launchers import local_world_size
 
-# set_epoch and DistributedEvalSampler: re-exported beside the loader they serve.
-__all__ = ["DistributedEvalSampler", "build_loader", "set_epoch"]
+__all__ = ["build_loader"]
 
 
 def _job_shape(info: DistInfo | None) -> tuple[int, int, int]:
@@ -165,8 +160,9 @@ def _exit_with(trainer: int) -> None:
         handle: int | None = os.pidfd_open(trainer)
     except (AttributeError, OSError):
         handle = None
-    threading.Thread(target=_watch, args=(trainer, handle), name="ddpkit-worker-exit",
-                     daemon=True).start()  # fmt: skip
+    threading.Thread(
+        target=_watch, args=(trainer, handle), name="ddpkit-worker-exit", daemon=True
+    ).start()
 
 
 def _watch(trainer: int, handle: int | None) -> None:
@@ -319,7 +315,7 @@ def build_loader(
     elif train:
         sampler = EpochRandomSampler(sized, seed)
     elif world > 1:
-        sampler = DistributedEvalSampler(sized, num_replicas=world, rank=rank)
+        sampler = samplers.DistributedEvalSampler(sized, num_replicas=world, rank=rank)
     else:
         sampler = SequentialSampler(sized)
 
@@ -345,3 +341,7 @@ def build_loader(
         prefetch_factor=prefetch_factor if in_workers else None,
         multiprocessing_context=multiprocessing_context if in_workers else None,
     )
+
+
+def __getattr__(name: str) -> Any:
+    return _graveyard.moved_name(__name__, name)

@@ -92,8 +92,9 @@ def epoch_batches(
             type(loader).__name__,
             start.batches,
         )
-        return EpochBatches(itertools.islice(loader, start.batches, None), start.batches,
-                            _length(loader))  # fmt: skip
+        return EpochBatches(
+            itertools.islice(loader, start.batches, None), start.batches, _length(loader)
+        )
     sampler = loader.sampler
     if regular and isinstance(sampler, EpochIndexSampler) and _plain_batches(loader):
         sampler.skip_next(start.batches * batch)

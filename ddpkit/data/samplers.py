@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, get_worker_info
 
-from ddpkit import comm
+from ddpkit.distributed import comm
 from ddpkit.rng import sample_seed, seeded
 
 __all__ = [

@@ -37,7 +37,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.data.shapes import make_shapes_dataset
-from ddpkit.devices import cpu_share
+from ddpkit.distributed.devices import cpu_share
 from ddpkit.examples.seresnext_setup import (
     batch_error,
     batch_line,
@@ -88,55 +88,120 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="default: the training set's classes",
     )
     layers = p.add_mutually_exclusive_group()
-    layers.add_argument("--requires-grad", action="store_true",
-                        help="train all layers, with --pretrained too")  # fmt: skip
-    layers.add_argument("--freeze-backbone", action="store_true",
-                        help="train only the head, as the recipe did; the default with\n"
-                             "--pretrained, refused without it (random features)")  # fmt: skip
-    p.add_argument("-b", "--batch-size", type=_number(int, 1, False), default=256, metavar="N",
-                   help="the GLOBAL batch: the sum over all processes of all nodes,\n"
-                        "divided among them. NOT per node as in the PyTorch ImageNet\n"
-                        "example: -b 256 on 2 nodes x 4 GPUs is 32 per process, and\n"
-                        "256 (not 512) images per step")  # fmt: skip
-    p.add_argument("-j", "--workers", type=_number(int, 0, False), metavar="N",
-                   help="data workers per node, divided over its processes rounded\n"
-                        "up (-j 4 on 8 GPUs: 1 each); default: a CPU share, at most 8")  # fmt: skip
-    p.add_argument("--worker-start", choices=("fork", "forkserver", "spawn"),
-                   help="how data workers start (default: Python's; fork on Linux\n"
-                        "before 3.14). forkserver: never a copy of this multi-\n"
-                        "threaded process, about 2 s once per process")  # fmt: skip
+    layers.add_argument(
+        "--requires-grad", action="store_true", help="train all layers, with --pretrained too"
+    )
+    layers.add_argument(
+        "--freeze-backbone",
+        action="store_true",
+        help="train only the head, as the recipe did; the default with\n"
+        "--pretrained, refused without it (random features)",
+    )
+    p.add_argument(
+        "-b",
+        "--batch-size",
+        type=_number(int, 1, False),
+        default=256,
+        metavar="N",
+        help="the GLOBAL batch: the sum over all processes of all nodes,\n"
+        "divided among them. NOT per node as in the PyTorch ImageNet\n"
+        "example: -b 256 on 2 nodes x 4 GPUs is 32 per process, and\n"
+        "256 (not 512) images per step",
+    )
+    p.add_argument(
+        "-j",
+        "--workers",
+        type=_number(int, 0, False),
+        metavar="N",
+        help="data workers per node, divided over its processes rounded\n"
+        "up (-j 4 on 8 GPUs: 1 each); default: a CPU share, at most 8",
+    )
+    p.add_argument(
+        "--worker-start",
+        choices=("fork", "forkserver", "spawn"),
+        help="how data workers start (default: Python's; fork on Linux\n"
+        "before 3.14). forkserver: never a copy of this multi-\n"
+        "threaded process, about 2 s once per process",
+    )
     p.add_argument("--epochs", type=_number(int, 1, False), default=90)
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--lr", type=_number(float, 0, True), default=0.1,
-                      help="the peak learning rate (default 0.1)")  # fmt: skip
-    rate.add_argument("--lr-base", type=_number(float, 0, True), metavar="LR",
-                      help="the learning rate per 256 images, scaled by -b (linear\n"
-                           "scaling rule): --lr-base 0.1 -b 1024 is --lr 0.4")  # fmt: skip
+    rate.add_argument(
+        "--lr",
+        type=_number(float, 0, True),
+        default=0.1,
+        help="the peak learning rate (default 0.1)",
+    )
+    rate.add_argument(
+        "--lr-base",
+        type=_number(float, 0, True),
+        metavar="LR",
+        help="the learning rate per 256 images, scaled by -b (linear\n"
+        "scaling rule): --lr-base 0.1 -b 1024 is --lr 0.4",
+    )
     p.add_argument("--momentum", type=_number(float, 0, False), default=0.9)
     p.add_argument(
         "--wd", "--weight-decay", dest="weight_decay", type=_number(float, 0, False), default=1e-4
     )
-    p.add_argument("--sched", choices=["step", "cosine"], default="step",
-                   help="after the warm-up: x0.1 at --milestones (step), or a cosine\n"
-                        "to 0 at the last epoch; stepped after every optimizer step")  # fmt: skip
-    p.add_argument("--milestones", type=_number(int, 0, True), nargs="*", default=[30, 60],
-                   help="with --sched step: x0.1 at the start of these epochs")  # fmt: skip
-    p.add_argument("--warmup-epochs", type=_number(float, 0, False), default=0.0, metavar="E",
-                   help="linear warm-up from 1%% of the rate over E epochs")  # fmt: skip
-    p.add_argument("--model-ema", action="store_true",
-                   help="keep an exponential moving average of the weights, evaluated\n"
-                        "beside them each epoch; the better is the epoch's weights")  # fmt: skip
-    p.add_argument("--model-ema-decay", type=_number(float, 0, True), default=0.9998, metavar="D",
-                   help="the average's decay per optimizer step (default 0.9998)")  # fmt: skip
-    p.add_argument("--mixup", type=_number(float, 0, False), default=0.0, metavar="ALPHA",
-                   help="Mixup with Beta(ALPHA, ALPHA) (0: off; 0.8 is common)")  # fmt: skip
-    p.add_argument("--cutmix", type=_number(float, 0, False), default=0.0, metavar="ALPHA",
-                   help="CutMix with Beta(ALPHA, ALPHA) (0: off; 1.0 is common); with\n"
-                        "--mixup each batch gets one of the two")  # fmt: skip
-    p.add_argument("--clip-grad", type=_number(float, 0, True), metavar="NORM",
-                   help="clip the gradients' total norm to NORM")  # fmt: skip
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (the first steps compile: slower)")  # fmt: skip
+    p.add_argument(
+        "--sched",
+        choices=["step", "cosine"],
+        default="step",
+        help="after the warm-up: x0.1 at --milestones (step), or a cosine\n"
+        "to 0 at the last epoch; stepped after every optimizer step",
+    )
+    p.add_argument(
+        "--milestones",
+        type=_number(int, 0, True),
+        nargs="*",
+        default=[30, 60],
+        help="with --sched step: x0.1 at the start of these epochs",
+    )
+    p.add_argument(
+        "--warmup-epochs",
+        type=_number(float, 0, False),
+        default=0.0,
+        metavar="E",
+        help="linear warm-up from 1%% of the rate over E epochs",
+    )
+    p.add_argument(
+        "--model-ema",
+        action="store_true",
+        help="keep an exponential moving average of the weights, evaluated\n"
+        "beside them each epoch; the better is the epoch's weights",
+    )
+    p.add_argument(
+        "--model-ema-decay",
+        type=_number(float, 0, True),
+        default=0.9998,
+        metavar="D",
+        help="the average's decay per optimizer step (default 0.9998)",
+    )
+    p.add_argument(
+        "--mixup",
+        type=_number(float, 0, False),
+        default=0.0,
+        metavar="ALPHA",
+        help="Mixup with Beta(ALPHA, ALPHA) (0: off; 0.8 is common)",
+    )
+    p.add_argument(
+        "--cutmix",
+        type=_number(float, 0, False),
+        default=0.0,
+        metavar="ALPHA",
+        help="CutMix with Beta(ALPHA, ALPHA) (0: off; 1.0 is common); with\n"
+        "--mixup each batch gets one of the two",
+    )
+    p.add_argument(
+        "--clip-grad",
+        type=_number(float, 0, True),
+        metavar="NORM",
+        help="clip the gradients' total norm to NORM",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (the first steps compile: slower)",
+    )
     p.add_argument("--amp", choices=["bf16", "fp16"], help="mixed precision")
     p.add_argument(
         "--min-crop",
@@ -147,32 +212,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=_number(int, 0, False), default=0)
     p.add_argument("--checkpoints", default="checkpoints", metavar="DIR")
-    p.add_argument("--log-dir", metavar="DIR",
-                   help="where rank 0 writes metrics.jsonl (default: --checkpoints)")  # fmt: skip
-    p.add_argument("--keep-last", type=_number(int, 1, False), default=3, metavar="N",
-                   help="per-epoch weight files kept (the best stays too)")  # fmt: skip
-    p.add_argument("-e", "--evaluate", action="store_true",
-                   help="evaluate on val.lmdb and exit: the weights of --resume PATH,\n"
-                        "else the newest checkpoint in --checkpoints (any node's),\n"
-                        "else --pretrained")  # fmt: skip
+    p.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="where rank 0 writes metrics.jsonl (default: --checkpoints)",
+    )
+    p.add_argument(
+        "--keep-last",
+        type=_number(int, 1, False),
+        default=3,
+        metavar="N",
+        help="per-epoch weight files kept (the best stays too)",
+    )
+    p.add_argument(
+        "-e",
+        "--evaluate",
+        action="store_true",
+        help="evaluate on val.lmdb and exit: the weights of --resume PATH,\n"
+        "else the newest checkpoint in --checkpoints (any node's),\n"
+        "else --pretrained",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",
         help="a fresh run deletes another run's files in --checkpoints\n(default: refuse)",
     )
-    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="PATH",
-                   help="continue from the newest complete checkpoint (epoch, step or\n"
-                        "interrupted) any node holds, or from the file PATH")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="PATH",
+        help="continue from the newest complete checkpoint (epoch, step or\n"
+        "interrupted) any node holds, or from the file PATH",
+    )
     p.add_argument(
         "--save-every-steps",
         type=_number(int, 0, True),
         metavar="N",
         help="a step checkpoint every N",
     )
-    p.add_argument("--save-every-minutes", type=_number(float, 0, True), metavar="M",
-                   help="a checkpoint when M minutes passed since the last")  # fmt: skip
-    p.add_argument("--save-on-each-node", action="store_true",
-                   help="each node's first process writes its own copy too")  # fmt: skip
+    p.add_argument(
+        "--save-every-minutes",
+        type=_number(float, 0, True),
+        metavar="M",
+        help="a checkpoint when M minutes passed since the last",
+    )
+    p.add_argument(
+        "--save-on-each-node",
+        action="store_true",
+        help="each node's first process writes its own copy too",
+    )
     p.add_argument(
         "--on-data-change",
         choices=("error", "next-epoch"),
@@ -180,13 +270,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a mid-epoch checkpoint of a training set since changed:\n"
         "refuse it (error), or start the next epoch on the new data",
     )
-    p.add_argument("--hang-timeout", type=_number(float, 0, True), metavar="SECONDS",
-                   help="a rank without progress this long: stacks logged, exit 124")  # fmt: skip
-    p.add_argument("--max-restarts", type=_number(int, 0, False), default=0, metavar="N",
-                   help="with --multiprocessing-distributed: restart failed processes\n"
-                        "up to N times, resuming (torchrun: its own --max-restarts)")  # fmt: skip
-    p.add_argument("--network", metavar="NAME",
-                   help="name prefix of the per-epoch weights (default: --arch)")  # fmt: skip
+    p.add_argument(
+        "--hang-timeout",
+        type=_number(float, 0, True),
+        metavar="SECONDS",
+        help="a rank without progress this long: stacks logged, exit 124",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=_number(int, 0, False),
+        default=0,
+        metavar="N",
+        help="with --multiprocessing-distributed: restart failed processes\n"
+        "up to N times, resuming (torchrun: its own --max-restarts)",
+    )
+    p.add_argument(
+        "--network", metavar="NAME", help="name prefix of the per-epoch weights (default: --arch)"
+    )
     p.add_argument(
         "--image-size",
         type=_number(int, 32, False),
@@ -198,10 +298,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"])
     p.add_argument("--world-size", type=_number(int, 1, False), default=1, help="number of nodes")
     p.add_argument("--rank", type=_number(int, 0, False), default=0, help="this node's rank")
-    p.add_argument("--multiprocessing-distributed", action="store_true",
-                   help="one process per GPU on this node (or --nprocs CPU processes)")  # fmt: skip
-    p.add_argument("--nprocs", type=_number(int, 1, False), metavar="N",
-                   help="processes per node with -m-d (CPU: required)")  # fmt: skip
+    p.add_argument(
+        "--multiprocessing-distributed",
+        action="store_true",
+        help="one process per GPU on this node (or --nprocs CPU processes)",
+    )
+    p.add_argument(
+        "--nprocs",
+        type=_number(int, 1, False),
+        metavar="N",
+        help="processes per node with -m-d (CPU: required)",
+    )
     p.add_argument("--gpu", type=_number(int, 0, False), help="the GPU of a one-process run")
     p.add_argument("--demo", action="store_true", help="train on generated shapes, then resume")
     p.add_argument("--out", default="demo-out", help="the demo's directory")
@@ -217,25 +324,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=250,
         help="training images per class",
     )
-    p.add_argument("--demo-recipe", choices=["modern", "classic"], default="modern",
-                   help="modern: 1 warm-up epoch, cosine, EMA; classic: x0.1 for the last\n"
-                        "epoch, as the recipe")  # fmt: skip
+    p.add_argument(
+        "--demo-recipe",
+        choices=["modern", "classic"],
+        default="modern",
+        help="modern: 1 warm-up epoch, cosine, EMA; classic: x0.1 for the last\n"
+        "epoch, as the recipe",
+    )
     args = p.parse_args(argv)
     if args.data is None and not args.demo:
         p.error("--data DIR is required (or --demo)")
     if args.max_restarts and not args.multiprocessing_distributed:
-        p.error("--max-restarts restarts the processes --multiprocessing-distributed starts; "
-                "under torchrun use torchrun's own --max-restarts")  # fmt: skip
+        p.error(
+            "--max-restarts restarts the processes --multiprocessing-distributed starts; "
+            "under torchrun use torchrun's own --max-restarts"
+        )
     if args.gpu is not None and args.multiprocessing_distributed:
-        p.error("--gpu picks the GPU of a one-process run; with --multiprocessing-distributed "
-                "each process takes the GPU of its local rank: drop --gpu")  # fmt: skip
+        p.error(
+            "--gpu picks the GPU of a one-process run; with --multiprocessing-distributed "
+            "each process takes the GPU of its local rank: drop --gpu"
+        )
     if args.multiprocessing_distributed and args.nprocs is None and torch.cuda.device_count() == 0:
-        p.error("--multiprocessing-distributed starts one process per GPU and no GPU is "
-                "visible: pass --nprocs N to run N CPU processes with Gloo")  # fmt: skip
+        p.error(
+            "--multiprocessing-distributed starts one process per GPU and no GPU is "
+            "visible: pass --nprocs N to run N CPU processes with Gloo"
+        )
     if args.freeze_backbone and args.pretrained is None:
-        p.error("--freeze-backbone trains only the head on the backbone's features, which are "
-                "random without --pretrained PATH: pass the weights, or drop --freeze-backbone "
-                "to train all layers")  # fmt: skip
+        p.error(
+            "--freeze-backbone trains only the head on the backbone's features, which are "
+            "random without --pretrained PATH: pass the weights, or drop --freeze-backbone "
+            "to train all layers"
+        )
     if args.network is not None and (not args.network or "/" in args.network):
         p.error(f"--network is the start of a file name, without '/': got {args.network!r}")
     if args.evaluate and args.demo:
@@ -276,8 +395,13 @@ def init_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """
     device = None if args.gpu is None else f"cuda:{args.gpu}"
     if args.world_size > 1:
-        return {"init_method": args.dist_url, "world_size": args.world_size,
-                "rank": args.rank, "backend": args.dist_backend, "device": device}  # fmt: skip
+        return {
+            "init_method": args.dist_url,
+            "world_size": args.world_size,
+            "rank": args.rank,
+            "backend": args.dist_backend,
+            "device": device,
+        }
     return {"backend": args.dist_backend, "device": device}
 
 
@@ -291,8 +415,9 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
         # --pretrained every layer trains (parse_args refuses --freeze-backbone).
         if not args.requires_grad:
             trainable = ddpkit.freeze_backbone(model)
-            logging.info("training only %s; --requires-grad trains all layers",
-                         ", ".join(trainable))  # fmt: skip
+            logging.info(
+                "training only %s; --requires-grad trains all layers", ", ".join(trainable)
+            )
     return model
 
 
@@ -352,8 +477,12 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     val_set = ddpkit.LazyLMDBDataset(data / "val.lmdb", transform=val_tf)
     classes = args.num_classes or len(train_set.classes)
     workers = workers_per_process(args.workers, info.local_world_size)
-    kw: dict[str, Any] = {"workers": workers, "seed": args.seed, "info": info,
-                          "multiprocessing_context": args.worker_start}  # fmt: skip
+    kw: dict[str, Any] = {
+        "workers": workers,
+        "seed": args.seed,
+        "info": info,
+        "multiprocessing_context": args.worker_start,
+    }
     val_batch = max(1, args.batch_size // info.world_size)
     val_loader = ddpkit.build_loader(val_set, batch_size=val_batch, train=False, **kw)
     criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)
@@ -374,39 +503,61 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     train_loader = ddpkit.build_loader(
         train_set, global_batch_size=args.batch_size, train=True, **kw
     )
-    logging.info(batch_line(args.batch_size, info.world_size, train_loader.batch_size or 0,
-                            train_loader.num_workers))  # fmt: skip
+    logging.info(
+        batch_line(
+            args.batch_size, info.world_size, train_loader.batch_size or 0, train_loader.num_workers
+        )
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     lr = args.lr if args.lr_base is None else ddpkit.linear_scaled_lr(args.lr_base, args.batch_size)
     optimizer = torch.optim.SGD(
         params, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay
     )
     scheduler = ddpkit.warmup_schedule(
-        optimizer, epochs=getattr(args, "schedule_epochs", None) or args.epochs,
-        steps_per_epoch=len(train_loader), warmup_epochs=args.warmup_epochs, decay=args.sched,
+        optimizer,
+        epochs=getattr(args, "schedule_epochs", None) or args.epochs,
+        steps_per_epoch=len(train_loader),
+        warmup_epochs=args.warmup_epochs,
+        decay=args.sched,
         milestones=args.milestones if args.sched == "step" else (),
-    )  # fmt: skip
+    )
     mix = None
     if args.mixup or args.cutmix:
         mix = ddpkit.mixup_cutmix(classes, mixup_alpha=args.mixup, cutmix_alpha=args.cutmix)
-    config = ddpkit.TrainConfig(amp=args.amp, clip_grad_norm=args.clip_grad,
-                                batch_transform=mix, channels_last=cuda)  # fmt: skip
+    config = ddpkit.TrainConfig(
+        amp=args.amp, clip_grad_norm=args.clip_grad, batch_transform=mix, channels_last=cuda
+    )
     checkpoints = ddpkit.CheckpointManager(
-        args.checkpoints, prefix=weights_prefix(args), keep_last=args.keep_last,
-        every_steps=args.save_every_steps, every_minutes=args.save_every_minutes,
-        on_each_node=args.save_on_each_node, overwrite=args.overwrite, extra=record,
-    )  # fmt: skip
+        args.checkpoints,
+        prefix=weights_prefix(args),
+        keep_last=args.keep_last,
+        every_steps=args.save_every_steps,
+        every_minutes=args.save_every_minutes,
+        on_each_node=args.save_on_each_node,
+        overwrite=args.overwrite,
+        extra=record,
+    )
     # A restarted process (torchrun --max-restarts, --max-restarts) continues the run.
     resume = args.resume or info.restart_count > 0
     history = ddpkit.fit(
-        model, train_loader, optimizer, criterion=criterion, epochs=args.epochs,
-        val_loader=val_loader, scheduler=scheduler, ema=ema, config=config,
-        checkpoints=checkpoints, resume=resume,
-        report=ddpkit.ReportConfig(log_dir=args.log_dir or args.checkpoints,
-                                   progress=not args.demo),  # a bar on rank 0, not in the demo
-        faults=ddpkit.FaultConfig(hang_timeout=args.hang_timeout,
-                                  on_data_change=args.on_data_change.replace("-", "_")),
-    )  # fmt: skip
+        model,
+        train_loader,
+        optimizer,
+        criterion=criterion,
+        epochs=args.epochs,
+        val_loader=val_loader,
+        scheduler=scheduler,
+        ema=ema,
+        config=config,
+        checkpoints=checkpoints,
+        resume=resume,
+        report=ddpkit.ReportConfig(
+            log_dir=args.log_dir or args.checkpoints, progress=not args.demo
+        ),  # a bar on rank 0, not in the demo
+        faults=ddpkit.FaultConfig(
+            hang_timeout=args.hang_timeout, on_data_change=args.on_data_change.replace("-", "_")
+        ),
+    )
     # Drawing curves.png can leave fit's frame, and with it the loaders, in a reference
     # cycle. Collected now, their persistent workers stop here, before the process group
     # goes, instead of at the interpreter's exit.
@@ -425,12 +576,15 @@ def evaluate_only(
     """``--evaluate``: the accuracy of a checkpoint, printed on rank 0. Every rank calls it."""
     source = load_for_evaluation(args, model, record)
     # evaluate() runs the plain model on each rank's share: no DDP wrapper is needed.
-    metrics = ddpkit.evaluate(model.to(info.device), val_loader, criterion=criterion,
-                              amp=args.amp, device=info.device)  # fmt: skip
+    metrics = ddpkit.evaluate(
+        model.to(info.device), val_loader, criterion=criterion, amp=args.amp, device=info.device
+    )
     if info.is_main:
         top5 = f" acc5 {metrics['acc5']:.3f}" if len(metrics["recall"]) > 5 else ""
-        print(f"evaluate {source}: acc1 {metrics['acc1']:.3f}{top5} "
-              f"loss {metrics['loss']:.6g} samples {metrics['samples']:.0f}")  # fmt: skip
+        print(
+            f"evaluate {source}: acc1 {metrics['acc1']:.3f}{top5} "
+            f"loss {metrics['loss']:.6g} samples {metrics['samples']:.0f}"
+        )
     return metrics
 
 
@@ -438,9 +592,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train with ``spawn`` (-m-d) or ``init_distributed``; returns this node's first record."""
     if args.multiprocessing_distributed:
         records: list[dict[str, Any]] = ddpkit.spawn(
-            train, args.nprocs, args=(args,), nnodes=args.world_size, node_rank=args.rank,
-            init_method=args.dist_url, backend=args.dist_backend, max_restarts=args.max_restarts,
-        )  # fmt: skip
+            train,
+            args.nprocs,
+            args=(args,),
+            nnodes=args.world_size,
+            node_rank=args.rank,
+            init_method=args.dist_url,
+            backend=args.dist_backend,
+            max_restarts=args.max_restarts,
+        )
         return records[0]
     with ddpkit.init_distributed(**init_arguments(args)) as info:
         return train(info, args)
@@ -463,23 +623,40 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         ddpkit.build_lmdb(source, out / f"{split}.lmdb", overwrite=True, progress=False)
     gpus = torch.cuda.device_count()
     nprocs, images = gpus or 2, args.demo_classes * args.demo_per_class
-    first = argparse.Namespace(**{
-        **vars(args), "data": str(out), "arch": "legacy_seresnext26_32x4d", "image_size": 32,
-        "requires_grad": True, "min_crop": 0.7, "lr": 0.05, "epochs": args.demo_epochs,
-        "batch_size": min(64, images // nprocs * nprocs),  # tiny test runs still take a step
-        "milestones": [args.demo_epochs - 1], "workers": 0, "network": "demo",
-        # The schedule spans both jobs: the first stops after 7 of its 8 epochs.
-        "schedule_epochs": args.demo_epochs + 1, **_DEMO_RECIPES[args.demo_recipe],
-        "checkpoints": str(out / "checkpoints"), "multiprocessing_distributed": True,
-        "nprocs": nprocs, "world_size": 1, "rank": 0, "dist_url": None,
-    })  # fmt: skip
+    first = argparse.Namespace(
+        **{
+            **vars(args),
+            "data": str(out),
+            "arch": "legacy_seresnext26_32x4d",
+            "image_size": 32,
+            "requires_grad": True,
+            "min_crop": 0.7,
+            "lr": 0.05,
+            "epochs": args.demo_epochs,
+            "batch_size": min(64, images // nprocs * nprocs),  # tiny test runs still take a step
+            "milestones": [args.demo_epochs - 1],
+            "workers": 0,
+            "network": "demo",
+            # The schedule spans both jobs: the first stops after 7 of its 8 epochs.
+            "schedule_epochs": args.demo_epochs + 1,
+            **_DEMO_RECIPES[args.demo_recipe],
+            "checkpoints": str(out / "checkpoints"),
+            "multiprocessing_distributed": True,
+            "nprocs": nprocs,
+            "world_size": 1,
+            "rank": 0,
+            "dist_url": None,
+        }
+    )
     run(first)
     # A second job continues from latest.pth for one more epoch: resume works.
     record = run(argparse.Namespace(**{**vars(first), "epochs": first.epochs + 1, "resume": True}))
     seconds, where = time.perf_counter() - start, f"{gpus} GPU" if gpus else "2 CPU"
     ema = f" (EMA {record['val_ema_acc1']:.2f}%)" if "val_ema_acc1" in record else ""
-    print(f"demo: final val acc1 {record['val_acc1']:.2f}%{ema} after {first.epochs + 1} epochs, "
-          f"total wall time {seconds:.1f} s ({where} processes)")  # fmt: skip
+    print(
+        f"demo: final val acc1 {record['val_acc1']:.2f}%{ema} after {first.epochs + 1} epochs, "
+        f"total wall time {seconds:.1f} s ({where} processes)"
+    )
     return record
 
 

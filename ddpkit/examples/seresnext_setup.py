@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.checkpoint_files import LATEST
-from ddpkit.checkpoint_sync import check_extra
+from ddpkit.checkpoint.files import LATEST
+from ddpkit.checkpoint.sync import check_extra
 
 __all__ = [
     "batch_error",
@@ -112,8 +112,10 @@ def load_weights(
             check_weights_file(path, record)
         report = ddpkit.load_pretrained(model, path, strict=True)
         if report.skipped:
-            error = (f"{path} has another head than the model ({', '.join(report.skipped)}); "
-                     "pass the --num-classes it was trained with")  # fmt: skip
+            error = (
+                f"{path} has another head than the model ({', '.join(report.skipped)}); "
+                "pass the --num-classes it was trained with"
+            )
     except (OSError, ValueError, ddpkit.CheckpointError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     errors = [(rank, e) for rank, e in enumerate(ddpkit.all_gather_object(error)) if e]

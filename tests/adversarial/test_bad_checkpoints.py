@@ -157,7 +157,7 @@ def test_a_damaged_compression_field_is_a_checkpoint_error(tmp_path: Path) -> No
 
 
 def test_other_failures_are_not_called_a_full_disk(tmp_path: Path) -> None:
-    from ddpkit.serialization import replace_atomic
+    from ddpkit.checkpoint.serialization import replace_atomic
 
     def refused(tmp: Path) -> None:
         raise PermissionError(13, "Permission denied", str(tmp))
@@ -167,7 +167,7 @@ def test_other_failures_are_not_called_a_full_disk(tmp_path: Path) -> None:
 
 
 def test_shared_storages_count_once_in_the_room_a_save_needs() -> None:
-    from ddpkit.serialization import payload_bytes
+    from ddpkit.checkpoint.serialization import payload_bytes
 
     weight = torch.zeros(1000)
     views = {f"v{i}": weight[i : i + 1] for i in range(100)}

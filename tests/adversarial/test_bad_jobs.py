@@ -163,7 +163,7 @@ _PARENT = textwrap.dedent(
 
 
 def test_killing_the_spawn_parent_ends_its_ranks(tmp_path: Path) -> None:
-    tests = str(ROOT / "tests")
+    tests = str(ROOT / "tests" / "helpers")
     parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path), tests], cwd=ROOT)
     try:
         deadline = time.monotonic() + 90
@@ -279,7 +279,7 @@ def test_bad_spawn_arguments_are_named(kwargs: dict[str, object], match: str) ->
     )
 )
 def test_any_timeout_value_is_taken_or_named(value: object) -> None:
-    from ddpkit.job import as_timeout
+    from ddpkit.distributed.job import as_timeout
 
     try:
         seconds = as_timeout("timeout", value).total_seconds()
@@ -297,7 +297,7 @@ def test_any_timeout_value_is_taken_or_named(value: object) -> None:
 @settings(max_examples=150, deadline=None)
 @given(st.text(max_size=40))
 def test_any_init_url_is_resolved_or_refused_clearly(text: str) -> None:
-    from ddpkit.job import resolve_job
+    from ddpkit.distributed.job import resolve_job
 
     try:
         plan = resolve_job(text, world_size=2, rank=0)
@@ -346,7 +346,7 @@ def test_rank_zero_with_a_larger_world_size_is_named_at_once() -> None:
 
 
 def test_a_very_long_timeout_does_not_break_a_healthy_call() -> None:
-    from ddpkit.deadline import BoundedCalls
+    from ddpkit.distributed.deadline import BoundedCalls
 
     calls = BoundedCalls(time.monotonic() + 1e12)
     assert calls(lambda: "ok") == "ok"
@@ -372,7 +372,7 @@ def test_a_local_rank_that_contradicts_the_launcher_is_refused(
 
 
 def test_a_host_name_that_resolves_to_loopback_is_warned_about() -> None:
-    from ddpkit.network import _loopback_route
+    from ddpkit.distributed.network import _loopback_route
 
     interfaces = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.0.0.2"]}
     assert _loopback_route("gpu-node-1", "lo", interfaces)  # /etc/hosts: 127.0.1.1 gpu-node-1
@@ -426,7 +426,7 @@ _REALS = [np.int64(5), np.float32(5.0), np.float64(5.0), Fraction(11, 2), 5]
 
 @pytest.mark.parametrize("value", _REALS, ids=repr)
 def test_any_real_number_is_a_timeout(value: object) -> None:
-    from ddpkit.job import as_timeout
+    from ddpkit.distributed.job import as_timeout
 
     for name in ("timeout", "rendezvous_timeout"):
         info = init_distributed(**{name: value})  # type: ignore[arg-type]
@@ -436,7 +436,7 @@ def test_any_real_number_is_a_timeout(value: object) -> None:
     assert type(ddpkit.FaultConfig(hang_timeout=value).hang_timeout) is float  # type: ignore[arg-type]
     manager = ddpkit.CheckpointManager("unused", every_minutes=value)  # type: ignore[arg-type]
     assert manager.every_minutes == float(value)  # type: ignore[arg-type]
-    from ddpkit.watchdog import HangWatchdog
+    from ddpkit.distributed.watchdog import HangWatchdog
 
     assert HangWatchdog(value).timeout == float(value)  # type: ignore[arg-type]
 
@@ -456,7 +456,7 @@ def test_a_bool_or_a_meaningless_real_is_still_refused(value: object) -> None:
 
 
 def test_numpy_integers_are_counts_and_fractional_numbers_are_not() -> None:
-    from ddpkit.job import resolve_job
+    from ddpkit.distributed.job import resolve_job
 
     plan = resolve_job("tcp://127.0.0.1:1", world_size=np.int64(2), rank=np.int32(1))  # type: ignore[arg-type]
     assert plan is not None
@@ -498,7 +498,7 @@ _ABANDONED_CALL = textwrap.dedent(
     """
     import ctypes, sys, time
     from pathlib import Path
-    from ddpkit.deadline import BoundedCalls, DeadlinePassed
+    from ddpkit.distributed.deadline import BoundedCalls, DeadlinePassed
 
     marker = Path(sys.argv[1])
 

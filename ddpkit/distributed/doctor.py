@@ -1,0 +1,420 @@
+"""Preflight checks for a multi-node job: ``ddpkit doctor``.
+
+Run on every node, before the job or while it hangs. Each check looks at one
+thing that commonly stops ranks from finding each other (the launcher's
+variables, the interface that routes to the master, ``NCCL_SOCKET_IFNAME``,
+InfiniBand, whether the rendezvous port answers) and says what to change.
+The network lines show :func:`ddpkit.distributed.network.plan_network`'s plan: exactly what
+``init_distributed`` would set on this machine. Nothing here joins a job or
+sends data beyond a TCP connect to the master port.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import platform
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+
+from ddpkit._numbers import positive_seconds
+from ddpkit._version import __version__
+from ddpkit.distributed.interfaces import IB_SYSFS, ifname_selects, list_interfaces
+from ddpkit.distributed.launchers import LaunchEnv, detect_launcher, master_endpoint, parse_port
+from ddpkit.distributed.network import NCCL_DEBUG_LEVELS, NetworkPlan, plan_network
+from ddpkit.distributed.ports import bind_problem, is_local
+from ddpkit.distributed.ports import probe_tcp as _probe_tcp  # the name tests and callers knew
+
+__all__ = ["Check", "Status", "exit_code", "format_report", "run_checks"]
+
+logger = logging.getLogger("ddpkit")
+
+Status = Literal["OK", "WARN", "FAIL", "INFO"]
+
+_TAGS: dict[str, str] = {"OK": "[ OK ]", "WARN": "[WARN]", "FAIL": "[FAIL]", "INFO": "[INFO]"}
+_PORT_FIX = (
+    "start rank 0 first: it listens there once init_distributed runs; check the address and "
+    "port are the same on every node; open the port in the firewall"
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report.
+
+    Attributes:
+        name: what was checked, e.g. ``"route to master"``.
+        status: ``"OK"``, ``"WARN"`` (may work, worth a look), ``"FAIL"`` (the
+            job will not start or will hang) or ``"INFO"`` (facts, no verdict).
+        detail: what was found, one line.
+        fix: for WARN and FAIL, what to do about it, one line.
+    """
+
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+def run_checks(
+    *,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    world_size: int | None = None,
+    environ: Mapping[str, str] | None = None,
+    connect_timeout: float = 3.0,
+    ib_sysfs: str = IB_SYSFS,
+) -> list[Check]:
+    """Check this machine for what a multi-node job needs; never raises.
+
+    Checks, in this order: versions, GPUs, launcher, interfaces, route to
+    master, ``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``, InfiniBand,
+    ``NCCL_DEBUG`` and master port. A check that raises becomes a FAIL line
+    naming the exception; the others still run.
+
+    Args:
+        master_addr: host of rank 0's rendezvous store; defaults to
+            ``MASTER_ADDR``, then to what the launcher (SLURM ...) says.
+        master_port: its port; defaults to ``MASTER_PORT``, then to the launcher's.
+        world_size: the number of processes the job should have; compared
+            with the launcher's.
+        environ: the environment to read; ``os.environ`` by default.
+        connect_timeout: seconds to wait for a TCP connection to the master.
+        ib_sysfs: where InfiniBand devices are listed.
+
+    Returns:
+        One :class:`Check` per line of the report, versions first.
+
+    Raises:
+        ValueError: ``connect_timeout`` is not a positive, finite number.
+    """
+    seconds = positive_seconds(connect_timeout)
+    if seconds is None:
+        raise ValueError(f"connect_timeout must be a positive number, got {connect_timeout!r}")
+    connect_timeout = seconds
+    env = os.environ if environ is None else environ
+    try:
+        launch: LaunchEnv | None = detect_launcher(env)
+        launch_error: ValueError | None = None
+    except ValueError as exc:
+        launch, launch_error = None, exc
+    found = master_endpoint(env, launch, detect=False)
+    addr = master_addr or found.addr
+    source = "--master-addr" if master_addr else found.source
+    port: int | str | None = master_port if master_port is not None else found.port
+
+    checks = _guard("versions", _check_versions)
+    checks += _guard("GPUs", lambda: _check_gpus(env))
+    checks += _guard("launcher", lambda: _check_launcher(launch, launch_error, world_size))
+    try:
+        plan: NetworkPlan | None = plan_network(master_addr=addr, environ=env, ib_sysfs=ib_sysfs)
+    except Exception as exc:
+        plan = None
+        checks.append(_crashed("network plan", exc))
+    if plan is not None:
+        checks += _guard("interfaces", lambda: _check_interfaces(plan))
+        checks += _guard("route to master", lambda: _check_route(plan, source))
+        for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            checks += _guard(var, partial(_check_ifname, var, plan))
+        checks += _guard("InfiniBand", lambda: _check_infiniband(plan))
+        checks += _guard("NCCL_DEBUG", lambda: _check_nccl_debug(plan))
+    interfaces = plan.interfaces if plan is not None else list_interfaces()
+    checks += _guard(
+        "master port", lambda: _check_port(addr, port, launch, connect_timeout, interfaces)
+    )
+    return checks
+
+
+def format_report(checks: Sequence[Check]) -> str:
+    """Render checks as aligned lines, each WARN and FAIL followed by its fix.
+
+    Returns:
+        Lines like ``[ OK ] route to master: 10.0.0.1 is reached through eth0
+        (10.0.0.2)``, an indented ``fix: ...`` line under each WARN and FAIL,
+        and a last line counting each status.
+    """
+    width = max((len(c.name) for c in checks), default=0) + 1
+    indent = " " * (len(_TAGS["OK"]) + 1)
+    lines: list[str] = []
+    for c in checks:
+        lines.append(f"{_TAGS[c.status]} {c.name + ':':<{width}} {c.detail}")
+        if c.status in ("WARN", "FAIL") and c.fix:
+            lines.append(f"{indent}fix: {c.fix}")
+    counts = {s: sum(c.status == s for c in checks) for s in ("FAIL", "WARN", "OK", "INFO")}
+    lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
+    return "\n".join(lines)
+
+
+def exit_code(checks: Iterable[Check]) -> int:
+    """Return 1 when any check FAILed, else 0: the exit status of ``ddpkit doctor``."""
+    return 1 if any(c.status == "FAIL" for c in checks) else 0
+
+
+def _guard(name: str, check: Callable[[], Check]) -> list[Check]:
+    try:
+        return [check()]
+    except Exception as exc:
+        return [_crashed(name, exc)]
+
+
+def _crashed(name: str, exc: Exception) -> Check:
+    logger.debug("doctor: the %s check raised", name, exc_info=True)
+    return Check(
+        name,
+        "FAIL",
+        f"the check itself failed: {type(exc).__name__}: {exc}",
+        "this is a ddpkit doctor bug; the other checks still ran, please report it",
+    )
+
+
+def _check_versions() -> Check:
+    cuda = torch.version.cuda or "CPU build"
+    nccl = "n/a"
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        found: object = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]
+        nccl = ".".join(map(str, found)) if isinstance(found, tuple) else str(found)
+    return Check(
+        "versions",
+        "INFO",
+        f"python {platform.python_version()}, torch {torch.__version__}, CUDA {cuda}, "
+        f"NCCL {nccl}, ddpkit {__version__}",
+    )
+
+
+def _check_gpus(env: Mapping[str, str]) -> Check:
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    seen = "" if visible is None else f" (CUDA_VISIBLE_DEVICES={visible!r})"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        build = "" if torch.version.cuda else "; this torch is a CPU build"
+        return Check(
+            "GPUs",
+            "WARN",
+            f"no CUDA GPU visible: NCCL unavailable, Gloo on CPU will be used{seen}{build}",
+            "check nvidia-smi and the driver, and that CUDA_VISIBLE_DEVICES is unset or lists "
+            "this node's GPUs; a CPU build of torch needs reinstalling with CUDA",
+        )
+    names = ", ".join(f"{i}: {torch.cuda.get_device_name(i)}" for i in range(count))
+    return Check("GPUs", "OK", f"{count} visible{seen}: {names}")
+
+
+def _check_launcher(
+    launch: LaunchEnv | None, error: ValueError | None, world_size: int | None
+) -> Check:
+    if error is not None:
+        return Check(
+            "launcher",
+            "FAIL",
+            str(error),
+            "fix or unset the variable the message names (set by the launcher or a job script)",
+        )
+    if launch is None:
+        expected = "" if world_size is None else f"; --world-size {world_size} not compared"
+        return Check(
+            "launcher", "INFO", f"none (single process, or ranks passed as arguments){expected}"
+        )
+    variables = ", ".join(f"{k}={v}" for k, v in launch.variables) or "no variables"
+    where = f"rank {launch.rank} of {launch.world_size}, node {launch.node_rank}"
+    if launch.store_is_external:
+        where += ", the launcher hosts the rendezvous store"
+    if world_size is not None and world_size != launch.world_size:
+        return Check(
+            "launcher",
+            "FAIL",
+            f"--world-size {world_size}, but {launch.launcher} says world_size="
+            f"{launch.world_size} ({variables})",
+            "world size is the total number of processes (nodes x processes per node), the "
+            "same on every node: fix --world-size or the launcher's node and task counts",
+        )
+    return Check("launcher", "INFO", f"{launch.launcher}: {variables} ({where})")
+
+
+def _check_interfaces(plan: NetworkPlan) -> Check:
+    if not plan.interfaces:
+        return Check(
+            "interfaces",
+            "WARN",
+            "no network interface found",
+            "run on Linux, or check `ip addr` works in this container",
+        )
+    listed = "; ".join(
+        f"{name} {', '.join(addrs) if addrs else '(no address)'}"
+        for name, addrs in plan.interfaces.items()
+    )
+    return Check("interfaces", "INFO", listed)
+
+
+def _check_route(plan: NetworkPlan, source: str) -> Check:
+    name = "route to master"
+    if not plan.master_addr:
+        fix = "pass --master-addr or set MASTER_ADDR"
+        return Check(name, "WARN", "no master address given", fix)
+    if plan.route is None:
+        fix = (
+            "use the rank-0 host's address as this node sees it (`ip addr` on that node), "
+            "the same on every node"
+        )
+        return Check(name, "FAIL", plan.route_error or "no route", fix)
+    addrs = plan.interfaces.get(plan.route, [])
+    local = f" ({addrs[0]})" if addrs else ""
+    origin = "" if source == "--master-addr" else f"; the address comes from {source}"
+    seen = f"{plan.master_addr} is reached through {plan.route}{local}{origin}"
+    loopback = [w for w in plan.warnings if "resolves to a loopback address" in w]
+    if loopback:
+        fix = "use this machine's network address as MASTER_ADDR on every node, or fix /etc/hosts"
+        return Check(name, "WARN", f"{seen}: {loopback[0].split(': fine')[0]}", fix)
+    return Check(name, "OK", seen)
+
+
+def _check_ifname(var: str, plan: NetworkPlan) -> Check:
+    setting, routed = plan.setting(var), plan.route
+    if setting is None and plan.route_error is not None:
+        return Check(
+            var,
+            "FAIL",
+            "unset, and the master cannot be routed to: init_distributed cannot choose it",
+            "fix the master address (see the route to master line), or set it to an interface",
+        )
+    if setting is None:
+        picked = "the interface that routes to MASTER_ADDR"
+        return Check(var, "INFO", f"unset (init_distributed sets it to {picked} automatically)")
+    if setting.action == "set":
+        return Check(
+            var, "INFO", f"unset (init_distributed sets it to {setting.value} automatically)"
+        )
+    value, gloo = setting.value, var.startswith("GLOO")
+    if setting.problem:
+        to = f" (or set it to {routed})" if routed else ""
+        return Check(
+            var,
+            "FAIL",
+            f"{var}={value!r}: {setting.problem}",
+            f"unset {var}: init_distributed then picks the interface that routes to the master{to}",
+        )
+    if routed is not None and not ifname_selects(value, routed, for_gloo=gloo):
+        return Check(
+            var,
+            "WARN",
+            f"set to {value!r}, but the master is reached through {routed}",
+            f"export {var}={routed if gloo else '=' + routed}, unless the nodes talk "
+            "to each other through another interface on purpose",
+        )
+    return Check(var, "OK", f"{value!r} names an interface of this machine")
+
+
+def _check_infiniband(plan: NetworkPlan) -> Check:
+    setting, sysfs = plan.setting("NCCL_IB_DISABLE"), plan.ib_sysfs
+    kept = setting.value if setting is not None and setting.action == "keep" else None
+    shown = "unset" if kept is None else repr(kept)
+    if plan.ib_devices:
+        found = f"{', '.join(plan.ib_devices)} in {sysfs}; NCCL_IB_DISABLE {shown}"
+        if kept == "1":
+            return Check(
+                "InfiniBand",
+                "WARN",
+                f"{found}: NCCL will not use them",
+                "unset NCCL_IB_DISABLE to let NCCL use InfiniBand, unless it is off on purpose",
+            )
+        return Check("InfiniBand", "INFO", found)
+    if kept == "1":
+        return Check("InfiniBand", "INFO", f"no devices in {sysfs}; NCCL_IB_DISABLE='1'")
+    then = (
+        f"init_distributed sets NCCL_IB_DISABLE={setting.value}"
+        if setting is not None and setting.action == "set"
+        else "NCCL looks for InfiniBand first and, in most versions, falls back to sockets"
+    )
+    return Check(
+        "InfiniBand",
+        "WARN",
+        f"no devices in {sysfs}, and NCCL_IB_DISABLE is {shown}: {then}",
+        "export NCCL_IB_DISABLE=1, or let init_distributed set it",
+    )
+
+
+def _check_nccl_debug(plan: NetworkPlan) -> Check:
+    setting = plan.setting("NCCL_DEBUG")
+    if setting is None:
+        return Check(
+            "NCCL_DEBUG", "INFO", "unset (NCCL_DEBUG=INFO prints the interfaces NCCL uses)"
+        )
+    if setting.problem:
+        return Check(
+            "NCCL_DEBUG",
+            "FAIL",
+            f"NCCL_DEBUG={setting.value!r} is not an NCCL debug level",
+            f"export NCCL_DEBUG to one of {', '.join(NCCL_DEBUG_LEVELS)}, or unset it",
+        )
+    return Check("NCCL_DEBUG", "OK", repr(setting.value))
+
+
+def _check_port(
+    addr: str | None,
+    port: int | str | None,
+    launch: LaunchEnv | None,
+    timeout: float,
+    interfaces: Mapping[str, list[str]],
+) -> Check:
+    name = "master port"
+    if not addr:
+        return Check(
+            name, "WARN", "no master address given", "pass --master-addr or set MASTER_ADDR"
+        )
+    if port is None:
+        return Check(
+            name,
+            "WARN",
+            "no master port given",
+            "pass --master-port or set MASTER_PORT (the same on every node)",
+        )
+    try:
+        number = parse_port(port, "master port")
+    except ValueError:
+        return Check(
+            name,
+            "FAIL",
+            f"master port {port!r} is not a port number 1..65535",
+            "set MASTER_PORT (or --master-port) to a free port such as 29500, the same on "
+            "every node",
+        )
+    if not is_local(addr, interfaces):
+        ok, detail = _probe_tcp(addr, number, timeout)
+        if ok:
+            return Check(name, "OK", f"{addr}:{number} accepts TCP connections")
+        return Check(name, "FAIL", f"{addr}:{number}: {detail}", _PORT_FIX)
+
+    problem = bind_problem(number)
+    if problem is None:
+        return Check(
+            name, "OK", f"port {number} is free: rank 0 can host the rendezvous store here"
+        )
+    if problem != errno.EADDRINUSE:
+        return Check(
+            name,
+            "FAIL",
+            f"rank 0 cannot listen on port {number} here: {os.strerror(problem)}",
+            "pick a port above 1024 that is free, the same on every node (--master-port)",
+        )
+    ok, detail = _probe_tcp(addr, number, timeout)
+    if ok and launch is not None and launch.store_is_external:
+        return Check(name, "OK", f"{launch.launcher} hosts the rendezvous store on {number}")
+    if ok:
+        return Check(
+            name,
+            "WARN",
+            f"something already listens on {number} (a running job, or another program)",
+            f"if it is not this job's rank 0, pick another port; `ss -ltnp 'sport = :{number}'` "
+            "shows the program",
+        )
+    return Check(
+        name,
+        "FAIL",
+        f"port {number} is in use on this machine, but {addr}:{number} does not accept "
+        f"connections: {detail}",
+        f"pick another port (the same on every node), or find the program with "
+        f"`ss -tanp 'sport = :{number}'`",
+    )

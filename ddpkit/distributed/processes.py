@@ -1,0 +1,449 @@
+"""Run a function in N fresh processes; raise ``RankFailedError`` for the one that failed first.
+
+Shared by :func:`ddpkit.spawn` and :func:`ddpkit.testing.run_distributed`.
+When one rank of a job fails, the others usually fail a moment later with
+"connection closed by peer" from inside a collective; reporting whichever
+process exited first would often show that echo instead of the real error.
+Each child therefore reports its outcome with a timestamp *before* it tears
+down its process group, and the parent raises the earliest failure that is not
+such an echo, with that rank's traceback.
+
+A process may also *stop* rather than fail (``spawn``: raise ``Preempted``
+or ``KeyboardInterrupt``, or die of a signal the parent forwarded). A stopping
+rank may be writing a checkpoint, so the others then get :data:`STOP_GRACE_S`,
+not the short failure settle; :func:`run_and_collect` leaves the verdict to the caller.
+
+A process that must end at once (``os._exit``: the hang watchdog) first leaves
+the parent its reason (``child.note_exit``); the parent repeats it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal, Protocol
+
+import torch.distributed as dist
+
+from ddpkit.distributed.child import die_with_parent, read_note, write_notes_to
+
+__all__ = [
+    "STOP_GRACE_S",
+    "Outcome",
+    "RankFailedError",
+    "Relay",
+    "Stop",
+    "run_and_collect",
+    "run_processes",
+]
+
+# How long a terminated child gets to exit before it is killed outright.
+_TERMINATE_GRACE_S = 2.0
+_POLL_S = 0.05
+# How long a rank that exited may take to have its report arrive.
+_DEAD_REPORT_GRACE_S = 0.5
+# After the first failure, how long to wait for the other ranks' reports so the
+# earliest real failure (not a peer's "connection closed") is the one raised;
+# longer than _DEAD_REPORT_GRACE_S so a silent death is seen in that window.
+_FAILURE_SETTLE_S = 1.5
+# Once a rank has stopped (or a stop signal was forwarded), how long the others
+# get to finish: the rank that writes the checkpoint may still be at it.
+STOP_GRACE_S = 120.0
+# At a timeout each unfinished child writes its Python stacks to stderr on this
+# signal (faulthandler), and gets this long to do so before it is killed.
+_STACKS_SIGNAL = signal.SIGUSR2
+_STACKS_S = 1.0
+
+# (index, "ok" | "error" | "stop", pickled value / message / pickled exception, traceback, time)
+_Report = tuple[int, Literal["ok", "error", "stop"], Any, str, float]
+
+
+class RankFailedError(RuntimeError):
+    """A process of the job raised, or died without reporting.
+
+    Attributes:
+        rank: the process whose failure came first (the cause; other ranks'
+            errors, listed in the message, are usually its consequence).
+        remote_traceback: that process's formatted traceback (empty if it died
+            without one, for example from a signal).
+        exitcode: that process's exit status when it exited without a report, else None.
+        note: what that process said (``child.note_exit``) before such an exit, else "".
+    """
+
+    def __init__(
+        self,
+        message: str,
+        rank: int,
+        remote_traceback: str = "",
+        exitcode: int | None = None,
+        note: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.exitcode, self.note = exitcode, note
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A process that stopped rather than failed: global ``rank``, and how."""
+
+    rank: int
+    exception: BaseException | None  # the stop exception it raised; None: it sent no report
+    exitcode: int | None = None  # without a report: a stop code, or -signal forwarded to it
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one run of the processes ended; see :func:`run_and_collect`."""
+
+    values: list[Any] | None  # what each process returned, if every one did
+    failure: RankFailedError | None  # the first real failure (peers lost next to a stop are none)
+    stops: tuple[Stop, ...] = ()  # in the order they came
+
+
+class Relay(Protocol):
+    """What forwards the parent's signals to the processes of a run (``ddpkit.spawn``'s)."""
+
+    def watch(self, processes: Sequence[BaseProcess]) -> None:
+        """Forward signals to ``processes`` from now on."""
+
+    def forwarded(self) -> Collection[int]:
+        """The signals forwarded so far."""
+
+
+def _failure_report(index: int, message: str) -> _Report:
+    """Build a failure report; call it inside the ``except`` block it describes."""
+    return (index, "error", message, traceback.format_exc(), time.time())
+
+
+def _child_entry(
+    target: Callable[..., Any],
+    index: int,
+    args: tuple[Any, ...],
+    results: Any,
+    parent: int,
+    stop_types: tuple[type[BaseException], ...],
+    sigmask: set[signal.Signals] | None,
+    notes: str,
+) -> None:
+    write_notes_to(notes, index)
+    if sigmask is not None:
+        # A group of its own: a terminal's Ctrl-C reaches only the parent, which
+        # forwards it. SIGINT was blocked from the fork until here (see _start).
+        os.setpgid(0, 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, sigmask)
+    die_with_parent(parent)  # a parent killed with SIGKILL must not leave its ranks running
+    with contextlib.suppress(AttributeError, RuntimeError, ValueError):
+        faulthandler.register(_STACKS_SIGNAL, all_threads=True)  # see _collect's timeout
+    report: _Report
+    try:
+        value = target(index, *args)
+    except stop_types as exc:
+        try:
+            report = (index, "stop", pickle.dumps(exc), traceback.format_exc(), time.time())
+        except Exception:
+            report = _failure_report(index, f"{type(exc).__name__}: {exc}")
+    except BaseException as exc:
+        report = _failure_report(index, f"{type(exc).__name__}: {exc}")
+    else:
+        try:
+            # Pickle here, not in the queue's feeder thread, where an error
+            # would only be printed and the parent would wait in vain. Plain
+            # pickle, not multiprocessing's: that one sends tensors as shared
+            # memory handles, which die with this process.
+            report = (index, "ok", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), "", 0.0)
+        except Exception as exc:
+            report = _failure_report(
+                index,
+                f"the return value of rank {index} could not be sent to the parent: "
+                f"{type(exc).__name__}: {exc}",
+            )
+    # Report before tearing the group down: the teardown is what makes the
+    # other ranks fail, and their reports must not look like the first failure.
+    results.put(report)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_processes(
+    target: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float | None = None,
+    name: str = "ddpkit-rank",
+    error: type[RankFailedError] = RankFailedError,
+    timeout_hint: str = "",
+    first_rank: int = 0,
+    world_size: int | None = None,
+) -> list[Any]:
+    """Run ``target(index, *args)`` in ``nprocs`` spawned processes; return the results in order.
+
+    Raises ``error`` for the failure that came first (see the module docstring)
+    after terminating the other processes, and ``TimeoutError`` naming the
+    unfinished ranks when ``timeout`` seconds pass. Messages call process
+    ``index`` rank ``first_rank + index`` of ``world_size`` (default ``nprocs``).
+    """
+    outcome = run_and_collect(
+        target,
+        nprocs,
+        args,
+        timeout=timeout,
+        name=name,
+        error=error,
+        timeout_hint=timeout_hint,
+        first_rank=first_rank,
+        world_size=world_size,
+    )
+    if outcome.failure is not None:
+        raise outcome.failure
+    assert outcome.values is not None  # without stop types, processes return or fail
+    return outcome.values
+
+
+def run_and_collect(
+    target: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout: float | None = None,
+    name: str = "ddpkit-rank",
+    error: type[RankFailedError] = RankFailedError,
+    timeout_hint: str = "",
+    first_rank: int = 0,
+    world_size: int | None = None,
+    stop_types: tuple[type[BaseException], ...] = (),
+    stop_exit_codes: frozenset[int] = frozenset(),
+    relay: Relay | None = None,
+    own_process_groups: bool = False,
+) -> Outcome:
+    """:func:`run_processes`, returning what happened instead of raising the failure.
+
+    A process that raises one of ``stop_types``, exits with one of
+    ``stop_exit_codes`` without a report, or dies of a signal ``relay``
+    forwarded is a :class:`Stop`. With ``own_process_groups`` each leaves the
+    parent's process group first thing: a terminal's Ctrl-C reaches only the
+    parent. Unfinished processes are killed before this returns.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    notes = tempfile.mkdtemp(prefix="ddpkit-exit-notes-")
+    processes: list[BaseProcess] = []
+    outcome = None
+    try:
+        processes = _start(
+            ctx, target, nprocs, args, results, name, stop_types, own_process_groups, notes
+        )
+        if relay is not None:
+            relay.watch(processes)
+        labels = _Labels(first_rank, world_size if world_size is not None else nprocs, notes)
+        outcome = _collect(
+            processes, results, timeout, timeout_hint, labels, stop_exit_codes, relay, error
+        )
+    finally:
+        # Everything but a full set of results (an error here included) kills the rest.
+        _stop(processes, kill=outcome is None or outcome.values is None)
+        results.close()
+        results.join_thread()
+        shutil.rmtree(notes, ignore_errors=True)
+    return outcome
+
+
+def _start(
+    ctx: Any,
+    target: Callable[..., Any],
+    nprocs: int,
+    args: Sequence[Any],
+    results: Any,
+    name: str,
+    stop_types: tuple[type[BaseException], ...],
+    own_process_groups: bool,
+    notes: str,
+) -> list[BaseProcess]:
+    blocking = own_process_groups and hasattr(signal, "pthread_sigmask")
+    # Until a child has left our process group, a Ctrl-C at the terminal would hit
+    # it half-way through its imports: children inherit a mask that blocks SIGINT.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if blocking else None
+    processes: list[BaseProcess] = []
+    try:
+        for index in range(nprocs):
+            # Not daemonic: the children may start DataLoader workers of their own.
+            p = ctx.Process(
+                target=_child_entry,
+                args=(target, index, tuple(args), results, os.getpid(), stop_types, mask, notes),
+                name=f"{name}{index}",
+            )
+            processes.append(p)
+            p.start()
+    except BaseException:
+        _stop(processes, kill=True)
+        raise
+    finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    return processes
+
+
+def _stop(processes: Sequence[BaseProcess], *, kill: bool) -> None:
+    processes = [p for p in processes if p.pid is not None]  # started ones
+    for p in processes:
+        if p.is_alive():
+            p.kill() if kill else p.terminate()
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+@dataclass(frozen=True)
+class _Failure:
+    rank: int
+    message: str
+    remote_traceback: str
+    at: float  # wall-clock time of the failure, comparable across processes
+    exitcode: int | None = None  # exited without a report: its status ...
+    note: str = ""  # ... and what it said before (note_exit)
+
+    @property
+    def is_consequence(self) -> bool:
+        """True for errors that only say a peer went away (the effect, not the cause)."""
+        text = self.message.lower()
+        return any(marker in text for marker in _PEER_LOST_MARKERS)
+
+
+# How Gloo and c10d word "another rank disappeared"; such errors are what the
+# surviving ranks see after the rank that really failed tore its group down.
+_PEER_LOST_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "gloo/transport",
+    "socket closed",
+    "ncclremoteerror",
+    "remote process exited",
+    "communicator was aborted",
+)
+
+
+def _collect(
+    processes: Sequence[BaseProcess],
+    results: Any,
+    timeout: float | None,
+    timeout_hint: str,
+    labels: _Labels,
+    stop_exit_codes: frozenset[int],
+    relay: Relay | None,
+    error: type[RankFailedError],
+) -> Outcome:
+    """Wait for every rank's report, or the settle (grace) after the first that did not return."""
+    world_size = len(processes)
+    deadline = time.monotonic() + timeout if timeout is not None else float("inf")
+    values: dict[int, Any] = {}
+    failures: dict[int, _Failure] = {}
+    stops: dict[int, Stop] = {}
+    dead_since: dict[int, float] = {}
+    first_end: float | None = None  # when the first rank ended without returning
+    while len(values) + len(failures) + len(stops) < world_size:
+        now = time.monotonic()
+        forwarded = relay.forwarded() if relay is not None else ()
+        grace = STOP_GRACE_S if stops or forwarded else _FAILURE_SETTLE_S
+        if first_end is not None and now >= first_end + grace:
+            break
+        if now > deadline:
+            left = [r for r in range(world_size) if r not in values]
+            for r in left:  # where each one is stuck, on stderr, before it is killed
+                with contextlib.suppress(OSError, TypeError):
+                    os.kill(processes[r].pid, _STACKS_SIGNAL)  # type: ignore[arg-type]
+            time.sleep(_STACKS_S)
+            missing = [labels.first + r for r in left]
+            raise TimeoutError(
+                f"{len(missing)} of {world_size} ranks had not finished after {timeout:g} s: "
+                f"rank(s) {_ranks(missing)}. Their Python stacks are on stderr; they were "
+                f"killed. {timeout_hint}".rstrip()
+            )
+        try:
+            rank, kind, payload, remote_tb, at = results.get(timeout=_POLL_S)
+        except queue.Empty:
+            for rank, p in enumerate(processes):
+                code = p.exitcode
+                if rank in values or rank in failures or rank in stops or code is None:
+                    continue
+                # A rank that exited may still have its report in the pipe:
+                # give it a moment before calling it a silent death.
+                first_seen = dead_since.setdefault(rank, time.time())
+                if time.time() - first_seen <= _DEAD_REPORT_GRACE_S:
+                    continue
+                if code in stop_exit_codes or -code in forwarded:
+                    stops[rank] = Stop(labels.first + rank, None, code)
+                    continue
+                note = read_note(labels.notes, rank)
+                why = note or (
+                    "without returning or raising "
+                    "(killed by a signal, os._exit, or a crash in native code)"
+                )
+                message = f"exited with code {code}{':' if note else ''} {why}"
+                failures[rank] = _Failure(rank, message, "", first_seen, code, note)
+            if (failures or stops) and first_end is None:
+                first_end = time.monotonic()
+            continue
+        if kind == "ok":
+            values[rank] = pickle.loads(payload)
+            continue
+        if kind == "stop":
+            stops[rank] = Stop(labels.first + rank, pickle.loads(payload))
+        else:
+            failures[rank] = _Failure(rank, payload, remote_tb, at)
+        if first_end is None:
+            first_end = time.monotonic()
+    if len(values) == world_size:
+        return Outcome([values[i] for i in range(world_size)], None)
+    # Next to a rank that stopped, "a peer went away" is no failure of its own.
+    real = [f for f in failures.values() if not (stops and f.is_consequence)]
+    failure = _failure_error(list(failures.values()), labels, error) if real else None
+    return Outcome(None, failure, tuple(stops.values()))
+
+
+@dataclass(frozen=True)
+class _Labels:
+    """How messages name process ``index``: rank ``first + index`` of ``world_size``."""
+
+    first: int
+    world_size: int
+    notes: str = ""  # the directory of the processes' exit notes
+
+
+def _failure_error(
+    failures: Sequence[_Failure], labels: _Labels, error: type[RankFailedError]
+) -> RankFailedError:
+    # The cause is the earliest failure that is not just "a peer went away".
+    ordered = sorted(failures, key=lambda f: (f.is_consequence, f.at))
+    cause, others = ordered[0], ordered[1:]
+    rank = labels.first + cause.rank
+    message = f"rank {rank} of {labels.world_size} failed: {cause.message}"
+    if others:
+        also = "; ".join(
+            f"rank {labels.first + f.rank}: {f.message.splitlines()[0][:200]}" for f in others
+        )
+        message += f"\n(then also failed: {also})"
+    if cause.remote_traceback:
+        message += f"\n\n--- traceback from rank {rank} ---\n{cause.remote_traceback}"
+    return error(message, rank, cause.remote_traceback, cause.exitcode, cause.note)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)

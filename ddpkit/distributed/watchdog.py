@@ -1,0 +1,412 @@
+"""The hang watchdog: a rank that stops making progress is named, stacks logged, the job exits.
+
+When one rank stalls (a data loader hangs, NFS is stuck, a deadlock) the others
+wait in the next collective for its timeout, 30 minutes by default, and nothing
+says which rank stopped. Here a daemon thread on every rank publishes what the
+loop last reported to :meth:`HangWatchdog.progress`; rank 0's thread compares
+them, names the ranks furthest behind, and every rank logs the stacks of all
+its threads and exits with ``HANG_EXIT_CODE`` (124) for a launcher to restart.
+Heartbeats go through the c10d store on the watchdog's own connection, never a
+collective (which can hang too), each call bounded by ``BoundedCalls``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import functools
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ddpkit._numbers import positive_seconds
+from ddpkit.distributed.child import note_exit
+from ddpkit.distributed.comm import get_rank, get_world_size, is_dist_initialized
+from ddpkit.distributed.deadline import BoundedCalls, DeadlinePassed
+from ddpkit.distributed.stops import HANG_EXIT_CODE
+
+__all__ = ["UNTIMED_PHASES", "HangWatchdog", "format_stacks"]
+
+logger = logging.getLogger("ddpkit")
+_monotonic = time.monotonic
+
+# The phases in the order the loop passes them within one step number:
+# progress(k, "done") ends step k - 1, so it comes before the data for step k.
+_PHASES = {
+    "start": "before its first progress report",
+    "done": "between steps",
+    "start_val_data": "starting workers for validation data",
+    "val_data": "waiting for validation data",
+    "end_val_data": "stopping the workers of validation data",
+    "validate": "in validation",
+    "save": "saving a checkpoint",
+    "start_data": "starting workers for training data",
+    "data": "waiting for training data",
+    "end_data": "stopping the workers of training data",
+    "compute": "in compute",
+}
+_ORDER = {name: i for i, name in enumerate(_PHASES)}
+# Never timed: a loader starting its workers (importing torch in each, a spawn or
+# forkserver start, the user's worker_init_fn) or joining them (DataLoader bounds
+# that) takes as long as it takes. While any rank is in one, the others (which soon
+# wait for it in a collective) are not timed either.
+UNTIMED_PHASES = frozenset({"start", "start_data", "start_val_data", "end_data", "end_val_data"})
+# The budget, with T = timeout, I = interval <= 5 s, C = _CALL_S and ticks I + C apart:
+# rank 0 decides by T + 2(I + C) = T + 14, the ranks are out by T + 26, rank 0 (which
+# waits for them) by T + 28; a rank on its own (T + 2I + 5 silence) is out by T + 27.
+_MAX_INTERVAL_S = 5.0
+_CALL_S = 2.0  # all store calls of one heartbeat, together
+_DUMP_S = 3.0  # logging the stacks may block (a full pipe): the exit comes anyway
+
+
+def format_stacks() -> str:
+    """Return the Python stacks of all threads of this process, main thread first.
+
+    Example:
+        >>> logging.getLogger("ddpkit").error("stacks:\\n%s", format_stacks())
+    """
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sys._current_frames()
+    main = threading.main_thread().ident
+    parts = []
+    for ident in sorted(frames, key=lambda i: i != main):
+        stack = "".join(traceback.format_stack(frames[ident]))
+        name = names.get(ident, "<not a threading.Thread>")
+        parts.append(f"Thread {name!r} ({ident}), most recent call last:\n{stack}")
+    return "\n".join(parts)
+
+
+class HangWatchdog:
+    """Exit the job, naming the rank that stopped, once a rank makes no progress for ``timeout``.
+
+    It arms at the first ``"done"``: a slow first step (compilation, autotune,
+    worker start) never trips it. Phases in :data:`UNTIMED_PHASES` (a loader
+    starting its workers, train or validation, any epoch) are never timed:
+    while any rank is in one, no rank's clock runs, and each rank's starts
+    again when it is over. Rank 0 decides by ``timeout + 2 * (interval
+    + 2)`` s after the stall; every rank then logs its stacks and calls
+    ``os._exit(124)``. A rank that cannot reach the store exits by itself after
+    ``timeout`` s without progress, one that hears nothing from rank 0 after
+    ``timeout + 2 * interval + 5`` s. Every process is gone within ``timeout +
+    30`` s of its own last progress. Without a process group it watches this
+    process alone. One watchdog per ``prefix`` at a time; a stopped one never
+    ends the process.
+
+    Args:
+        timeout: seconds without progress that count as a hang.
+        interval: seconds between heartbeats; default ``min(timeout / 4, 5)``,
+            at most ``timeout / 2`` and 5.
+        prefix: the watchdog's keys in the store.
+        store, rank, world_size: default those of the default process group.
+
+    Raises:
+        ValueError: ``timeout`` or ``interval`` is not a usable number of
+            seconds, or ``store`` is given without ``rank`` and ``world_size``
+            and there is no process group.
+
+    Example:
+        >>> with HangWatchdog(timeout=600.0) as watchdog:
+        ...     for step in range(start, steps):
+        ...         watchdog.progress(step, "data")
+        ...         batch = next(batches)
+        ...         watchdog.progress(step, "compute")
+        ...         train_step(batch)
+        ...         watchdog.progress(step + 1, "done")
+    """
+
+    def __init__(
+        self,
+        timeout: float,
+        *,
+        interval: float | None = None,
+        prefix: str = "ddpkit/watchdog",
+        store: dist.Store | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        _exit: Callable[[int], object] = os._exit,
+    ) -> None:
+        seconds = positive_seconds(timeout)
+        if seconds is None:
+            raise ValueError(f"timeout must be positive finite seconds, got {timeout!r}")
+        most = min(seconds / 2, _MAX_INTERVAL_S)
+        every = (
+            min(seconds / 4, _MAX_INTERVAL_S) if interval is None else positive_seconds(interval)
+        )
+        if every is None or every > most:
+            raise ValueError(
+                f"interval must be positive seconds, at most timeout / 2 and {_MAX_INTERVAL_S:g} "
+                f"(here {most:g}), got {interval!r}; leave it out for the default"
+            )
+        if store is not None and not is_dist_initialized() and None in (rank, world_size):
+            raise ValueError("store= needs rank= and world_size= when there is no process group")
+        self.timeout, self.interval = seconds, every
+        self._prefix, self._exit = prefix, _exit
+        self._base, self._rank, self._world = store, rank, world_size
+        self._last: tuple[int, str, float] = (0, "start", _monotonic())
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stamps: dict[int, float] = {}  # rank 0: each rank's last progress stamp ...
+        self._since: dict[int, float] = {}  # ... and when, on rank 0's clock, it was made
+        self._heard: list[int] = []  # rank 0: the other ranks that sent heartbeats
+        # When some rank was last seen in an untimed phase, on this rank's clock: rank 0
+        # sees the heartbeats, the others a count of the heartbeats rank 0 held.
+        self._held_at = -math.inf
+        self._holds = 0
+
+    def progress(self, step: int, phase: str) -> None:
+        """Record that this rank reached ``phase`` of ``step``; cheap enough for every batch.
+
+        Args:
+            step: the optimizer step, counted over the run.
+            phase: ``"data"`` (waiting for the training batch), ``"compute"``,
+                ``"done"`` (with the next step: one finished), ``"val_data"``
+                (waiting for a validation batch), ``"validate"``, ``"save"``, or
+                ``"start_data"`` / ``"start_val_data"`` (a loader starting its
+                workers) or ``"end_data"`` / ``"end_val_data"`` (stopping them):
+                untimed.
+
+        Example:
+            >>> watchdog.progress(step + 1, "done")
+        """
+        self._last = (step, phase, _monotonic())
+        if phase == "done":
+            self._armed = True
+
+    def start(self) -> HangWatchdog:
+        """Start the watchdog thread and return the watchdog.
+
+        Raises:
+            RuntimeError: it was started before; make a new one.
+        """
+        if self._thread is not None:
+            raise RuntimeError("this HangWatchdog was started before; create a new one")
+        if is_dist_initialized():
+            if self._base is None:
+                self._base = dist.distributed_c10d._get_default_store()
+            self._rank = get_rank() if self._rank is None else self._rank
+            self._world = get_world_size() if self._world is None else self._world
+        self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching; safe to call again. Returns within about 2 s."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=_CALL_S + 0.5)
+
+    def __enter__(self) -> HangWatchdog:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        try:
+            self._watch()
+        except Exception:  # say so: a job left unwatched must not look watched
+            logger.exception("hang watchdog: rank %s stopped watching after an error", self._rank)
+
+    def _watch(self) -> None:
+        calls = None if self._base is None else BoundedCalls(math.inf, "ddpkit-watchdog-store")
+        store: Any = None
+        lost = ""
+        wait = 0.0  # the first heartbeat at once: it replaces an earlier run's
+        while not self._stop.wait(wait):
+            wait = self.interval
+            step, phase, stamp = self._last
+            if calls is not None and not lost:
+                calls.deadline = _monotonic() + _CALL_S
+                try:
+                    store = calls(self._open) if store is None else store
+                    if self._exchange(store, calls, step, phase, stamp):
+                        return
+                except DeadlinePassed:
+                    lost = f"no answer in {_CALL_S:g} s"
+                except RuntimeError as exc:  # c10d's DistError is one
+                    lost = f"{type(exc).__name__}: {(str(exc) or repr(exc)).splitlines()[0]}"
+                if lost:
+                    logger.warning("hang watchdog: rank %s lost the store (%s)", self._rank, lost)
+            # A rank waiting for another that starts its workers: its clock is held too.
+            idle = _monotonic() - max(stamp, self._held_at if not lost else -math.inf)
+            limit = self.timeout if calls is None or lost else self.timeout + 2 * wait + 5
+            if self._armed and phase not in UNTIMED_PHASES and idle > limit:
+                self._finish(self._alone(idle, _where(step, phase), calls is not None, lost, limit))
+                return
+        if calls is not None:
+            if store is not None and not lost:  # or rank 0 takes this finished rank for hung
+                calls.deadline = _monotonic() + _CALL_S
+                with contextlib.suppress(DeadlinePassed, RuntimeError):
+                    calls(store.set, f"hb/{self._rank}", json.dumps({"stopped": True}))
+            calls.close()
+
+    def _alone(self, idle: float, where: str, grouped: bool, lost: str, limit: float) -> str:
+        """Why this rank exits by itself: no group, no store, or no word from rank 0."""
+        head = f"hang watchdog: no progress for {idle:.1f} s (timeout {self.timeout:g} s) {where}"
+        if lost:
+            head += f" on rank {self._rank}, which lost the c10d store ({lost}): its host (rank 0 "
+            head += (
+                "or the agent) is gone or stopped, so no rank can name the one that stopped first"
+            )
+        elif grouped:
+            head += f" on rank {self._rank}, and rank 0 reported no hang within {limit:g} s: it is"
+            head += " stuck too, or its watchdog thread cannot run"
+        return f"{head}. Logging this rank's stacks; exiting with status {HANG_EXIT_CODE}."
+
+    def _open(self) -> dist.Store:
+        assert self._base is not None  # its own connection: the training's calls cannot block it
+        return dist.PrefixStore(self._prefix, self._base.clone())
+
+    def _exchange(
+        self, store: Any, calls: BoundedCalls, step: int, phase: str, stamp: float
+    ) -> bool:
+        """Publish the heartbeat; obey rank 0's verdict or, on rank 0, make it. True: exited."""
+        armed = self._armed and phase not in UNTIMED_PHASES
+        beat = {"step": step, "phase": phase, "stamp": stamp, "armed": armed}
+        calls(store.set, f"hb/{self._rank}", json.dumps({**beat, "idle": _monotonic() - stamp}))
+        if calls(store.check, ["hang"]):
+            verdict = calls(store.get, "hang").decode().removeprefix("hang watchdog: ")
+            here = f"rank {self._rank} stops {_where(step, phase)}"
+            self._finish(f"hang watchdog: {here}, on rank 0's verdict: {verdict}", store, calls)
+            return True
+        if self._rank != 0:
+            holds = int(calls(store.add, "held", 0))
+            if holds != self._holds:
+                self._holds, self._held_at = holds, _monotonic()
+        verdict = self._judge(store, calls) if self._rank == 0 else None
+        if verdict is not None:
+            calls(store.set, "hang", verdict)
+            self._finish(verdict, store, calls)
+        return verdict is not None
+
+    def _judge(self, store: Any, calls: BoundedCalls) -> str | None:
+        """On rank 0: the verdict, once an armed rank has made no progress for ``timeout``."""
+        assert self._world is not None
+        keys = [f"hb/{r}" for r in range(self._world)]
+        if calls(store.check, keys):
+            values = calls(store.multi_get, keys)
+        else:  # a rank has not started yet, and multi_get would wait for its key
+            values = [calls(store.get, k) if calls(store.check, [k]) else None for k in keys]
+        now = _monotonic()
+        beats: dict[int, dict[str, Any]] = {}
+        for r, value in enumerate(values):
+            if value is None or (beat := json.loads(value)).get("stopped"):
+                continue
+            beats[r] = beat
+            # Published ``idle`` s after the progress and read later: never before the truth.
+            since = now - beat["idle"]
+            if beat["stamp"] != self._stamps.get(r):
+                self._stamps[r], self._since[r] = beat["stamp"], since
+            self._since[r] = min(self._since[r], since)
+        self._heard = [r for r in beats if r != 0]
+        if any(b["phase"] in UNTIMED_PHASES for b in beats.values()):
+            self._held_at = now
+            calls(store.add, "held", 1)  # the other ranks hold their own clocks too
+        stale = max(
+            (now - max(self._since[r], self._held_at) for r, b in beats.items() if b["armed"]),
+            default=0.0,
+        )
+        return _verdict(beats, self._world, stale, self.timeout) if stale > self.timeout else None
+
+    def _finish(self, message: str, store: Any = None, calls: BoundedCalls | None = None) -> None:
+        """Log ``message`` and the stacks, answer through the store, end the process."""
+        if self._stop.is_set():
+            return
+        rank = self._rank or 0
+        # Rank 0 may host the store: it waits for the ranks it heard from to read the
+        # verdict. The others wait for each other (each reads the verdict within an
+        # interval), so that none exits, breaking its peers' collectives, before every
+        # rank has begun its own exit with status 124.
+        others = [r for r in range(1, self._world or 1) if r != rank]
+        waits = calls is not None and bool(self._heard if rank == 0 else others)
+        grace = self.interval + 2 * _CALL_S if waits else _CALL_S
+        # Logging can block for good (a full pipe, a lock the stuck thread holds): exit anyway.
+        backstop = threading.Timer(_DUMP_S + grace, self._exit, (HANG_EXIT_CODE,))
+        backstop.name, backstop.daemon = "ddpkit-watchdog-exit", True
+        backstop.start()
+        # From here the exit status is 124 whatever ends the process first: a peer that
+        # exited breaks this rank's collective, and the main thread's error would end it
+        # with status 1 while these lines are still being written. The interpreter's exit
+        # waits here for the watchdog's own.
+        ending = threading.Event()
+        hold = functools.partial(_hold_exit, ending, _DUMP_S + grace + 1.0, self._exit)
+        atexit.register(hold)
+        note_exit(message)  # a launcher from ddpkit (spawn) repeats it
+        logger.error("%s", message)
+        logger.error("hang watchdog: stacks of rank %d, all threads:\n%s", rank, format_stacks())
+        with contextlib.suppress(Exception):  # a second channel, straight to descriptor 2
+            faulthandler.dump_traceback(all_threads=True)
+        for handler in [*logger.handlers, *logging.getLogger().handlers]:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        if calls is not None:
+            calls.deadline = _monotonic() + grace
+            with contextlib.suppress(DeadlinePassed, RuntimeError):
+                if rank != 0:
+                    calls(store.set, f"ack/{rank}", "1")
+                if waits:
+                    acks = [f"ack/{r}" for r in (self._heard if rank == 0 else others)]
+                    calls(store.wait, acks, timedelta(seconds=grace))
+        if not self._stop.is_set():
+            self._exit(HANG_EXIT_CODE)
+        # Reached only where the exit function returns (tests).
+        ending.set()
+        atexit.unregister(hold)
+        backstop.cancel()
+
+
+def _hold_exit(ending: threading.Event, limit: float, exit: Callable[[int], object]) -> None:
+    """At interpreter exit during a hang verdict: wait for the watchdog to end the process."""
+    if not ending.wait(limit):
+        exit(HANG_EXIT_CODE)
+
+
+def _verdict(beats: dict[int, dict[str, Any]], world: int, idle: float, timeout: float) -> str:
+    def point(r: int) -> tuple[int, int]:
+        return beats[r]["step"], _ORDER.get(beats[r]["phase"], len(_ORDER))
+
+    def at(r: int) -> str:
+        return _where(beats[r]["step"], beats[r]["phase"])
+
+    missing = [r for r in range(world) if r not in beats]
+    lowest = min(map(point, beats))
+    behind = [r for r in beats if not missing and point(r) == lowest]
+    places: dict[tuple[int, int], list[int]] = {}
+    for r in sorted(set(beats) - set(behind)):
+        places.setdefault(point(r), []).append(r)
+    if missing:
+        what = f"rank(s) {_ranks(missing)} never sent a heartbeat (watchdog not started)"
+    elif places:
+        what = f"rank(s) {_ranks(behind)} stopped {at(behind[0])}"
+    else:
+        what = f"all ranks stopped {at(behind[0])}, none behind another: they all wait in one "
+        what += "operation (a collective or a lock) that never completes"
+    if places:
+        what += "; the others wait for them: "
+        what += "; ".join(f"rank(s) {_ranks(rs)} {at(rs[0])}" for rs in places.values())
+    return (
+        f"hang watchdog: no progress for {idle:.1f} s (timeout {timeout:g} s); {what}. Each "
+        f"rank writes its Python stacks to its log; exiting with status {HANG_EXIT_CODE} so "
+        "that a launcher (torchrun --max-restarts) can restart the job."
+    )
+
+
+def _where(step: int, phase: str) -> str:
+    return f"at step {step} ({_PHASES.get(phase, phase)})"
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:16]))
+    return shown if len(ranks) <= 16 else f"{shown}, ... ({len(ranks)} in all)"

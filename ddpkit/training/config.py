@@ -1,0 +1,145 @@
+"""The options of ``fit``: how each step runs, how faults are met, what is shown and written.
+
+Every option of :func:`ddpkit.fit` beyond its arguments lives here, in
+frozen, keyword-only dataclasses validated when they are made: a bad value
+is a ``ValueError`` naming it at once, not an error an hour into training.
+Each field carries its own docstring. How often checkpoints are taken is the
+``CheckpointManager``'s (``every_steps``, ``every_minutes``), which owns the
+files it writes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ddpkit._numbers import positive_seconds
+from ddpkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from ddpkit.distributed.stops import StepControl
+from ddpkit.training.evaluation import AMP_DTYPES, Amp, Normalize
+
+__all__ = ["FaultConfig", "ReportConfig", "TrainConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How :func:`ddpkit.fit` runs each training step.
+
+    Raises:
+        ValueError: a value out of range; the message names it.
+    """
+
+    amp: Amp | None = None
+    """``"bf16"`` or ``"fp16"`` autocast; fp16 uses a GradScaler whose state is
+    checkpointed. None: full precision."""
+
+    grad_accum: int = 1
+    """Micro-batches per optimizer step, at least 1. Each micro-batch's loss is
+    divided by the number of micro-batches of its step: ``grad_accum``, or fewer
+    for an epoch's last step when the epoch's batches do not divide evenly (with
+    a sized loader)."""
+
+    clip_grad_norm: float | None = None
+    """Clip the total gradient norm to this value (> 0); None: no clipping."""
+
+    scheduler_per_step: bool = False
+    """Step the scheduler after each optimizer step instead of after each epoch
+    (``warmup_schedule``'s always are)."""
+
+    normalize: Normalize | None = (IMAGENET_MEAN, IMAGENET_STD)
+    """``(mean, std)`` for uint8 batches, applied on the device; None leaves
+    batches as they come."""
+
+    device: torch.device | str | None = None
+    """Where batches go; default: the model's parameters' device."""
+
+    batch_transform: (
+        Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None
+    ) = None
+    """``(images, targets) -> (images, targets)`` applied to each training batch
+    on the device after ``normalize``, such as ``ddpkit.mixup_cutmix(C)``
+    (targets then hold probabilities)."""
+
+    channels_last: bool = False
+    """Move image batches to ``torch.channels_last`` memory format (convert the
+    model too, before ``wrap_ddp``: ``model.to(memory_format=torch.channels_last)``);
+    faster convolutions on recent GPUs."""
+
+    def __post_init__(self) -> None:
+        if self.amp is not None and self.amp not in AMP_DTYPES:
+            raise ValueError(f"amp must be 'bf16', 'fp16' or None, got {self.amp!r}")
+        if isinstance(self.grad_accum, bool) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0 or None, got {self.clip_grad_norm}")
+        if self.batch_transform is not None and not callable(self.batch_transform):
+            raise ValueError(f"batch_transform must be callable, got {self.batch_transform!r}")
+        if self.normalize is not None and len(self.normalize[0]) != len(self.normalize[1]):
+            raise ValueError(
+                f"normalize=(mean, std) needs as many means as stds, got {self.normalize}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """How :func:`ddpkit.fit` meets the faults of a long job: stop signals, hangs, changed data.
+
+    Raises:
+        ValueError: an unknown signal, a timeout that is not a positive
+            number, or ``on_data_change`` not ``"error"`` or ``"next_epoch"``.
+    """
+
+    stop_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT")
+    """Signals that stop training cleanly: every rank stops after the same step,
+    ``interrupted.pth`` is written, and ``fit`` raises :class:`ddpkit.Preempted`
+    (exit status 75). A second Ctrl-C a second or more after the first stops at
+    once. Empty: signals keep their usual effect."""
+
+    hang_timeout: float | None = None
+    """Seconds a rank may take to finish a step once the first step is done;
+    past it every rank logs its Python stack and the job exits with status 124,
+    which a launcher's restart policy sees as a failure. None: no watchdog.
+    Choose it above the slowest step, validation batch and checkpoint snapshot."""
+
+    on_data_change: str = "error"
+    """A resume from a mid-epoch checkpoint whose training set had another size
+    or index (recorded in step checkpoints): ``"error"`` raises
+    ``CheckpointError`` (the rest of that epoch's order would read samples twice
+    or never); ``"next_epoch"`` drops the rest of that epoch and starts the next
+    one on the new data (the scheduler steps as at an epoch end), with a warning."""
+
+    def __post_init__(self) -> None:
+        StepControl(signals=self.stop_signals)  # names checked here, installed by fit
+        timeout = self.hang_timeout
+        if timeout is not None:
+            seconds = positive_seconds(timeout)
+            if seconds is None:
+                raise ValueError(
+                    f"hang_timeout must be a positive number of seconds or None, got {timeout!r}"
+                )
+            object.__setattr__(self, "hang_timeout", seconds)  # frozen: a plain float from here
+        if self.on_data_change not in ("error", "next_epoch"):
+            raise ValueError(
+                f"on_data_change must be 'error' or 'next_epoch', got {self.on_data_change!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportConfig:
+    """What :func:`ddpkit.fit` shows and writes; all of it on rank 0 only."""
+
+    progress: bool = True
+    """A tqdm progress bar for each epoch, when stderr is a terminal."""
+
+    log_dir: str | os.PathLike[str] | None = None
+    """Write ``metrics.jsonl`` here (a run header, then one JSON line per epoch),
+    TensorBoard events when ``tensorboard`` is installed, and ``curves.png`` at
+    the end when ``matplotlib`` is (``ddpkit[plot]``)."""
+
+    verbose: bool = True
+    """Print one line per epoch to stdout, "resuming at ..." and "nothing to
+    do ..." lines, and a summary table at the end. False: these go to the
+    ``ddpkit`` logger at INFO instead."""

@@ -1,0 +1,469 @@
+"""One training epoch from any position: its steps, and between them the saves, stops, heartbeats.
+
+``fit`` builds a :class:`Run` once and calls :func:`train_epoch` per epoch.
+Between two optimizer steps every rank asks ``StepControl`` (one store call)
+whether to save a step checkpoint or stop, tells the hang watchdog it moved
+on, and nothing else: the per-step cost over a hand-written loop is that call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ddpkit._docs import see
+from ddpkit.checkpoint import CheckpointManager
+from ddpkit.checkpoint.serialization import CheckpointError
+from ddpkit.data.resume import check_start, data_change, epoch_batches
+from ddpkit.distributed import comm
+from ddpkit.distributed.parallel import no_sync, unwrap_model
+from ddpkit.distributed.stops import Preempted, StepControl, Stop
+from ddpkit.position import Position
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.evaluation import Criterion, autocast, to_device
+from ddpkit.training.reporting import Reporter
+
+__all__ = ["Run", "TrainConfig", "TrainingError", "resume_start", "stop_now", "train_epoch"]
+
+logger = logging.getLogger("ddpkit")
+
+# How often (in optimizer steps) rank 0 refreshes the progress bar; each
+# refresh reads the running loss from the device, a host sync.
+_REFRESH_STEPS = 20
+# How many losses the non-finite check examines together, in a few kernels.
+_FINITE_BATCH = 32
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss); the message names the epoch and step."""
+
+
+@dataclass
+class Run:
+    """What stays the same over the epochs of one ``fit`` call, and the step count."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    criterion: Criterion
+    config: TrainConfig
+    device: torch.device
+    scaler: torch.amp.GradScaler | None
+    scheduler: Any
+    checkpoints: CheckpointManager | None
+    control: StepControl
+    reporter: Reporter
+    watchdog: Any = None
+    world_size: int = 1
+    rank: int = 0
+    step: int = 0  # optimizer steps since the run began, over all epochs
+    ema: Any = None  # an AveragedModel updated after each optimizer step
+    per_step: bool = False  # the scheduler steps after each optimizer step
+    # The training set's size and index digest, recorded in step checkpoints.
+    data: tuple[int | None, str | None] = (None, None)
+    started: set[int] = field(default_factory=set)  # loaders whose persistent workers run
+
+    def tick(self, phase: str) -> None:
+        """Tell the hang watchdog where this rank is."""
+        if self.watchdog is not None:
+            self.watchdog.progress(self.step, phase)
+
+    def watched(
+        self, loader: Any, batches: Iterable[Any], waiting: str, busy: str
+    ) -> Iterator[Any]:
+        """``batches`` (of ``loader``), telling the watchdog when this rank waits for them.
+
+        ``waiting`` before each batch, ``busy`` once it is here. A ``DataLoader``
+        starts its workers in ``iter()``, and batch ``k`` comes from worker ``k``:
+        until one batch came from each worker (each imported, ran its
+        ``worker_init_fn``, fetched), the phase is ``"start_" + waiting``; after
+        the last batch of workers that are not persistent, while the iterator
+        joins them, ``"end_" + waiting``. The watchdog times neither.
+        """
+        starting = self._starts_workers(loader)
+        ending = _ending_workers(loader)
+        self.tick(f"start_{waiting}" if starting else waiting)
+        for count, batch in enumerate(batches, 1):
+            self.tick(busy)
+            yield batch
+            phase = "start_" if count < starting else "end_" if count == ending else ""
+            self.tick(phase + waiting)
+        self.tick(busy)  # what follows the last batch (the totals' all-reduce) is the work
+
+    def _starts_workers(self, loader: Any) -> int:
+        """How many workers iterating ``loader`` starts (persistent ones start once)."""
+        if not isinstance(loader, DataLoader) or loader.num_workers == 0:
+            return 0
+        if loader.persistent_workers:
+            if id(loader) in self.started:
+                return 0
+            self.started.add(id(loader))
+        return loader.num_workers
+
+    def update(
+        self, images: torch.Tensor, targets: torch.Tensor, update: bool, count: int
+    ) -> torch.Tensor:
+        """One micro-batch of ``count`` in its step: forward, backward; ``update``: the step."""
+        config, scaler = self.config, self.scaler
+        # Only the micro-step that completes an update all-reduces gradients.
+        with no_sync(self.model, enabled=not update), autocast(self.device, config.amp):
+            loss = self.criterion(self.model(images), targets)
+        # Dividing by 1 would add a kernel and an autograd node to every step.
+        scaled = loss / count if count > 1 else loss
+        if scaler is not None:
+            scaler.scale(scaled).backward()  # type: ignore[no-untyped-call]
+        else:
+            scaled.backward()  # type: ignore[no-untyped-call]
+        if update:
+            if config.clip_grad_norm is not None:
+                if scaler is not None:
+                    scaler.unscale_(self.optimizer)
+                nn.utils.clip_grad_norm_(self.model.parameters(), config.clip_grad_norm)
+            if scaler is not None:
+                scaler.step(self.optimizer)
+                scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.ema is not None:
+                self.ema.update_parameters(unwrap_model(self.model))
+        return loss.detach()
+
+
+def train_epoch(
+    run: Run, loader: Iterable[Any], epoch: int, epochs: int, start: Position | None, carried: Any
+) -> dict[str, Any]:
+    """Train ``epoch`` from ``start`` (its beginning when None); return the epoch's record.
+
+    ``carried`` is this rank's running totals saved with ``start`` (or None).
+
+    Raises:
+        Preempted: a stop signal: every rank stopped after the same step and
+            the ranks that write saved ``interrupted.pth``.
+        CheckpointError: a background checkpoint write failed on some rank.
+        TrainingError: a non-finite loss.
+    """
+    part = epoch_batches(loader, epoch, start, world_size=run.world_size, rank=run.rank)
+    run.model.train()
+    config, dev, world = run.config, run.device, run.world_size
+    per_rank = loader.batch_size if isinstance(loader, DataLoader) else None
+    totals = _Totals.carried_over(carried or {}, dev)
+    progress = _Progress(run.reporter, part.total, part.done, epoch, epochs, dev)
+    # Samples of the epoch consumed by all ranks, as a resume counts them.
+    consumed = start.samples if start is not None and start.epoch == epoch else 0
+    batch = part.done - 1  # the index in the epoch of the micro-batch being trained
+    rate = run.optimizer.param_groups[0]["lr"]
+    # The rest of a resumed epoch may come from a loader of its own, with its own workers.
+    source = part.batches if isinstance(part.batches, DataLoader) else loader
+    batches = run.watched(source, part.batches, "data", "compute")
+    for taken, (images, targets) in enumerate(totals.timed(batches)):
+        batch += 1
+        images, targets = to_device(images, targets, dev, config.normalize)
+        if config.channels_last and images.dim() == 4:
+            images = images.contiguous(memory_format=torch.channels_last)
+        if config.batch_transform is not None:
+            images, targets = config.batch_transform(images, targets)
+        last = part.total is not None and batch + 1 == part.total
+        update = (batch + 1) % config.grad_accum == 0 or last
+        group = _group_size(batch, part.total, config.grad_accum)
+        loss = run.update(images, targets, update, group)
+        size = targets.shape[0]
+        totals.add(loss, size)
+        progress.finite.add(batch, loss)
+        consumed += part.step_samples[taken] if part.step_samples else (per_rank or size) * world
+        if update:
+            run.step += 1
+            rate = run.optimizer.param_groups[0]["lr"]  # the rate this step used
+            if run.scheduler is not None and run.per_step:
+                run.scheduler.step()
+            run.tick("done")
+            position = Position(epoch, batch + 1, consumed, run.step, world, *run.data)
+            _between_steps(run, position, last, totals.as_loop)
+        progress.show(batch, last, totals)
+    if batch >= part.done and (batch + 1) % config.grad_accum != 0 and part.total is None:
+        # An unsized loader ended mid-accumulation: apply what was accumulated.
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        if run.ema is not None:
+            run.ema.update_parameters(unwrap_model(run.model))
+    seconds = totals.seconds()
+    progress.close(epoch)
+    return totals.record(epoch, rate, seconds, dev)
+
+
+class _Totals:
+    """This rank's running sums over the epoch: the loss, the samples, the time and its wait.
+
+    Carried into a step checkpoint (:meth:`as_loop`) and back out of one
+    (:meth:`carried_over`), so a resumed epoch reports what an unbroken one would.
+    """
+
+    def __init__(self, loss_sum: torch.Tensor, samples: int, before: float, waited: float) -> None:
+        self.loss_sum, self.samples, self.before, self.waited = loss_sum, samples, before, waited
+        self.began = time.perf_counter()
+
+    @classmethod
+    def carried_over(cls, carried: dict[str, Any], dev: torch.device) -> _Totals:
+        loss_sum = torch.full(
+            (), float(carried.get("loss_sum", 0.0)), dtype=torch.float64, device=dev
+        )
+        return cls(
+            loss_sum,
+            int(carried.get("samples", 0)),
+            float(carried.get("seconds", 0.0)),
+            float(carried.get("data_seconds", 0.0)),
+        )
+
+    def timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``, with the time spent waiting for each one added up."""
+        while True:
+            asked = time.perf_counter()
+            try:
+                item = next(batches)
+            except StopIteration:
+                return
+            self.waited += time.perf_counter() - asked
+            yield item
+
+    def add(self, loss: torch.Tensor, size: int) -> None:
+        # One kernel. A float32 loss times a count is exact in float64: the same sum as
+        # adding ``loss.double() * size``.
+        self.loss_sum.add_(loss, alpha=size)
+        self.samples += size
+
+    def seconds(self) -> float:
+        return self.before + time.perf_counter() - self.began
+
+    def as_loop(self) -> dict[str, Any]:
+        """What a step checkpoint stores of this rank's epoch so far (one host sync)."""
+        return {
+            "loss_sum": float(self.loss_sum.item()),
+            "samples": self.samples,
+            "data_seconds": self.waited,
+            "seconds": self.seconds(),
+        }
+
+    def record(self, epoch: int, rate: float, seconds: float, dev: torch.device) -> dict[str, Any]:
+        """The epoch's record, summed over the ranks. All ranks must call this, or it deadlocks."""
+        counts = [float(self.samples), self.waited, seconds]
+        total = comm.all_reduce_sum(
+            torch.cat([self.loss_sum[None], torch.tensor(counts, device=dev, dtype=torch.float64)])
+        )
+        global_samples = int(total[1].item())
+        return {
+            "epoch": epoch + 1,  # what a person reads counts from 1: the bar, lines, files
+            "train_loss": float(total[0].item()) / max(global_samples, 1),
+            "train_samples": global_samples,
+            "train_images_per_sec": global_samples / max(seconds, 1e-9),
+            "lr": float(rate),  # of the epoch's last step
+            "seconds": seconds,
+            "data_wait": float(total[2].item()) / max(float(total[3].item()), 1e-9),
+        }
+
+
+class _Progress:
+    """The epoch's progress bar (rank 0, on a terminal) and its check that the loss is finite."""
+
+    def __init__(
+        self,
+        reporter: Reporter,
+        total: int | None,
+        done: int,
+        epoch: int,
+        epochs: int,
+        dev: torch.device,
+    ) -> None:
+        self.bar = reporter.progress_bar(total, f"epoch {epoch + 1}/{epochs}")
+        if self.bar is not None and done:
+            self.bar.update(done)
+        self.finite = _FiniteCheck(dev)
+        self.epoch = epoch
+
+    def show(self, batch: int, last: bool, totals: _Totals) -> None:
+        """Refresh the bar every ``_REFRESH_STEPS`` micro-batches: each refresh syncs the host."""
+        if self.bar is None or not (batch % _REFRESH_STEPS == 0 or last):
+            return
+        self.finite.check(self.epoch)
+        loss = totals.loss_sum.item() / max(totals.samples, 1)
+        self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        self.bar.update(batch + 1 - self.bar.n)
+
+    def close(self, epoch: int) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.finite.check(epoch)
+
+
+def resume_start(
+    manager: CheckpointManager,
+    loader: Iterable[Any],
+    world: int,
+    on_data_change: str,
+    scheduler: Any,
+) -> Position | None:
+    """Where ``manager``'s resumed checkpoint stands, checked against ``loader``; run on every rank.
+
+    A mid-epoch position taken on other data is refused, or (``on_data_change="next_epoch"``)
+    moved to the next epoch's start, the per-epoch ``scheduler`` stepped as that epoch's end would.
+
+    Raises:
+        CheckpointError: the position is beyond this loader's epoch, or the data
+            changed and ``on_data_change`` is ``"error"``; names the checkpoint.
+    """
+    start, name = manager.position, manager.resumed_checkpoint
+    if start is None or not start.mid_epoch:
+        return start
+    change = data_change(start, getattr(loader, "dataset", None))
+    if change is None:
+        try:
+            check_start(loader, start, world)
+        except ValueError as exc:
+            raise CheckpointError(
+                f"{name} cannot be resumed with this training loader: {exc}. "
+                "Resume with the loader (data, batch size) it was saved with, or "
+                "from another checkpoint. " + see("checkpoints")
+            ) from None
+        return start
+    where = f"{name} stopped in epoch {start.epoch + 1} after {start.samples} samples, and {change}"
+    if on_data_change == "error":
+        raise CheckpointError(
+            f"{where}: the rest of that epoch would read some samples twice and others never. "
+            "Resume with the data it was saved with, or start at the next epoch on the new data "
+            "with fit(faults=FaultConfig(on_data_change='next_epoch')) (the example's "
+            "--on-data-change next-epoch). " + see("checkpoints")
+        )
+    if comm.get_rank() == 0:
+        warnings.warn(
+            f"{where}; as asked (on_data_change='next_epoch'), the rest of epoch "
+            f"{start.epoch + 1} is skipped and epoch {start.epoch + 2} starts on the "
+            "new data",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if scheduler is not None and not getattr(scheduler, "per_step", False):
+        scheduler.step()  # as the skipped epoch's end would have
+    return Position(start.epoch + 1, 0, 0, start.step, world)
+
+
+def _ending_workers(loader: Any) -> int | None:
+    """After which batch a ``DataLoader``'s iterator stops its workers; None: never, or unknown."""
+    if not isinstance(loader, DataLoader) or loader.num_workers == 0 or loader.persistent_workers:
+        return None
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without a length
+        return None
+
+
+def _group_size(index: int, total: int | None, accum: int) -> int:
+    """Micro-batches in the optimizer step of micro-batch ``index`` (an epoch's last may be short).
+
+    Unknown for a loader without a length: ``accum`` (the last step's gradient is then
+    smaller than a full step's).
+    """
+    if total is None or accum == 1:
+        return accum
+    first = index - index % accum
+    return min(accum, total - first)
+
+
+def _between_steps(
+    run: Run, position: Position, last: bool, totals: Callable[[], dict[str, Any]]
+) -> None:
+    manager = run.checkpoints
+    if manager is not None and manager.write_error is not None:
+        error = manager.write_error
+        run.control.request_stop(f"rank {run.rank}: {type(error).__name__}: {error}")
+    actions = run.control.after_step(run.step)
+    if actions.stop is not None:
+        stop_now(run, actions.stop, position, totals())
+    # The epoch's own checkpoint follows its last step: no step checkpoint there.
+    if manager is not None and not last and (actions.save or manager.step_due(run.step)):
+        run.tick("save")
+        manager.save_step(position, loop=totals(), block=False)
+        run.control.saved()
+
+
+def stop_now(run: Run, stop: Stop, position: Position | None, totals: Any) -> None:
+    """End training on every rank: save ``interrupted.pth`` for a signal, raise either way.
+
+    ``position`` None: the epoch's checkpoint just taken is the one to resume from.
+    """
+    manager = run.checkpoints
+    if stop.kind == "error":
+        if manager is not None:
+            manager.wait()  # the rank whose write failed raises its own error here
+        raise CheckpointError(
+            f"a checkpoint write failed ({stop.detail}), so every rank stops; the checkpoints "
+            "written before it are intact. " + see("checkpoints")
+        )
+    path = None
+    if manager is not None:
+        if position is not None:
+            path = manager.save_step(position, kind="interrupted", loop=totals)
+        else:
+            manager.flush()
+            path = manager.latest_path if manager.writes else None
+    logger.warning(
+        "stopped by %s after step %d%s; resume to continue (exit status %d)",
+        stop.detail,
+        run.step,
+        f", checkpoint {path}" if path is not None else "",
+        Preempted(stop.detail).code,
+    )
+    raise Preempted(stop.detail, str(path) if path is not None else None, run.step)
+
+
+class _FiniteCheck:
+    """The epoch's first micro-batch whose loss was not finite, found on the device.
+
+    Each loss is only kept (a detached scalar); every ``_FINITE_BATCH`` of them
+    are examined together in a few kernels, with no host sync, so a step adds
+    no kernel launch of its own. :meth:`check` examines the rest and syncs once.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._first = torch.full((), -1, dtype=torch.int64, device=device)
+        self._losses: list[torch.Tensor] = []
+        self._start = 0  # the micro-batch index of self._losses[0]
+
+    def add(self, index: int, loss: torch.Tensor) -> None:
+        """Keep the loss of micro-batch ``index`` (one more than the previous one's)."""
+        if not self._losses:
+            self._start = index
+        self._losses.append(loss)
+        if len(self._losses) == _FINITE_BATCH:
+            self._examine()
+
+    def _examine(self) -> None:
+        if not self._losses:
+            return
+        bad = ~torch.isfinite(torch.stack(self._losses))
+        self._losses.clear()
+        # argmax finds the first bad one; an earlier find is kept.
+        found = torch.where(bad.any(), bad.byte().argmax() + self._start, -1)
+        self._first = torch.where(self._first < 0, found, self._first)
+
+    def check(self, epoch: int) -> None:
+        """Raise :class:`TrainingError` if a loss so far was not finite (one host sync).
+
+        ``epoch`` is the epoch's index; the message counts epochs and batches from 1.
+        """
+        self._examine()
+        bad = int(self._first.item())
+        if bad < 0:
+            return
+        raise TrainingError(
+            f"the loss was not finite (nan or inf) in epoch {epoch + 1}, batch {bad + 1} of "
+            f"the epoch, on rank "
+            f"{comm.get_rank()}. Lower the learning rate, train in bf16 (or fp16, which scales "
+            "the loss) or check the inputs; the last checkpoint is from before this step. "
+            + see("training-load_pretrained-wrap_ddp-focalloss-fit")
+        )

@@ -1,0 +1,427 @@
+"""``fit()``: the minimal DDP training loop that survives crashes, preemption and hangs.
+
+``fit`` runs the epochs: ``set_epoch`` on the sampler, mixed precision,
+gradient accumulation without needless all-reduces, uint8 batches normalised
+on the device, exact validation, and checkpoints: after every epoch, every N
+steps or M minutes, and when a signal stops the job. A resumed run continues
+from the exact batch it stopped at, bit-exactly on the same number of ranks.
+Everything else stays yours: the model, the data, the optimiser and the
+schedule are arguments. How each step runs is a frozen :class:`TrainConfig`,
+how faults are met a :class:`FaultConfig`; what is shown and written is
+``ddpkit.training.reporting``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit import _graveyard
+from ddpkit.checkpoint import CheckpointManager
+from ddpkit.checkpoint.state import TrainingState
+from ddpkit.checkpoint.sync import claim_directory
+from ddpkit.data.resume import data_identity
+from ddpkit.distributed import comm
+from ddpkit.distributed.devices import module_device
+from ddpkit.distributed.parallel import sync_buffers
+from ddpkit.distributed.stops import StepControl
+from ddpkit.position import Position
+from ddpkit.training.config import FaultConfig, ReportConfig
+from ddpkit.training.ema import sync_ema_buffers
+from ddpkit.training.epoch import (
+    Run,
+    TrainConfig,
+    TrainingError,
+    resume_start,
+    stop_now,
+    train_epoch,
+)
+from ddpkit.training.evaluation import Criterion, evaluate
+from ddpkit.training.reporting import Reporter
+
+__all__ = [
+    "FaultConfig",
+    "History",
+    "ReportConfig",
+    "TrainConfig",
+    "TrainingError",
+    "evaluate",
+    "fit",
+]
+
+logger = logging.getLogger("ddpkit")
+
+# fit()'s keyword arguments before they moved into TrainConfig / ReportConfig.
+_TRAIN_KEYS = ("amp", "grad_accum", "clip_grad_norm", "scheduler_per_step", "normalize", "device")
+_REPORT_KEYS = ("progress", "log_dir")
+# The confusion matrix goes into each epoch's record (and metrics.jsonl) up to this
+# many classes; beyond, evaluate() still returns it and per-class figures stay.
+_CONFUSION_IN_RECORD = 100
+# With this many classes or fewer, top-5 accuracy is 100 % by definition: not recorded.
+_TOP5_ALWAYS = 5
+
+
+@dataclass
+class History:
+    """What ``fit`` measured: one record (a dict) per epoch, in order."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def last(self) -> dict[str, Any]:
+        """The most recent epoch's record."""
+        return self.records[-1]
+
+    def best(self, key: str = "val_acc1") -> dict[str, Any]:
+        """The record with the highest ``key``."""
+        return max((r for r in self.records if key in r), key=lambda r: r[key])
+
+
+def fit(
+    model: nn.Module,
+    train_loader: Iterable[Any],
+    optimizer: torch.optim.Optimizer,
+    *,
+    criterion: Criterion,
+    epochs: int,
+    val_loader: Iterable[Any] | None = None,
+    scheduler: Any = None,
+    ema: nn.Module | None = None,
+    config: TrainConfig | None = None,
+    checkpoints: CheckpointManager | None = None,
+    resume: bool | str | os.PathLike[str] = False,
+    report: ReportConfig | None = None,
+    faults: FaultConfig | None = None,
+    callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
+    **deprecated: Any,
+) -> History:
+    """Train ``model`` for ``epochs`` epochs; every rank calls it with its own loaders.
+
+    Each epoch: ``set_epoch`` on the loader's sampler; for each batch, move it
+    to the device (uint8 images are normalised there), forward under
+    ``torch.autocast`` when ``config.amp`` is set, scale the loss by ``1 /
+    grad_accum`` and backward, inside ``no_sync`` except on the micro-step
+    that completes an optimizer step; clip, step (through a GradScaler for
+    fp16), zero the gradients. Between optimizer steps: a step checkpoint when
+    ``checkpoints`` asks for one (``every_steps`` / ``every_minutes``), and a
+    clean stop when a signal of ``faults.stop_signals`` arrived on any rank.
+    After the epoch: :func:`evaluate` on ``val_loader``, the scheduler step,
+    one record in the :class:`History` (and, on rank 0, what ``report`` asks
+    for), the callbacks, and the epoch checkpoint. Checkpoints are copied to
+    host memory and written in the background; the next save and the end of
+    training wait for the write. Nothing passed in is changed beyond what
+    training does (the model's weights and mode, the optimizer, the
+    scheduler, the sampler's epoch).
+
+    Args:
+        model: the model, already on its device and wrapped (``wrap_ddp``).
+        train_loader: batches of ``(images, targets)``; ``build_loader``'s
+            skips the batches already done when resuming mid-epoch.
+        optimizer: the optimizer over ``model``'s parameters.
+        criterion: ``criterion(logits, targets) -> loss`` (mean over the batch).
+        epochs: train until this many epochs are done (counting resumed ones).
+        val_loader: evaluated after each epoch; metrics are exact across ranks.
+            The record holds ``val_acc1`` ... (``val_acc5`` only with more
+            than 5 classes: below, it is always 100 %) and per class ``val_recall``,
+            ``val_precision`` (and ``val_confusion`` up to 100 classes), and
+            ``val_worst_class`` (a name when the dataset has ``classes``).
+        scheduler: stepped after each epoch, or after each optimizer step
+            with ``config.scheduler_per_step`` or when :func:`warmup_schedule`
+            made it.
+        ema: an average of the model (:func:`ddpkit.model_ema`), updated
+            after each optimizer step, evaluated beside the model each epoch
+            (``val_ema_acc1`` ...), checkpointed and restored with it; the
+            epoch's weight file (and ``best.pth``) holds whichever of the two
+            scored the higher ``val_acc1``.
+        config: how each step runs (:class:`TrainConfig`); default ``TrainConfig()``.
+        checkpoints: where and how often to save (and resume from).
+        resume: True: continue from the newest complete checkpoint any rank
+            holds (epoch, step or interrupted), from the exact batch; a path:
+            from that file. On another number of ranks the rest of the epoch
+            covers the samples not yet seen, with a warning that the run is
+            not bit-exact.
+        report: what rank 0 shows and writes (:class:`ReportConfig`); default
+            ``ReportConfig()``: a progress bar, no files.
+        faults: stop signals and the hang watchdog (:class:`FaultConfig`);
+            default ``FaultConfig()``: SIGTERM, SIGUSR1 and SIGINT stop
+            cleanly, no watchdog.
+        callbacks: called with each epoch's record, on every rank.
+        **deprecated: ``amp``, ``grad_accum``, ``clip_grad_norm``,
+            ``scheduler_per_step``, ``normalize``, ``device`` (now in
+            ``config``) and ``progress``, ``log_dir`` (now in ``report``),
+            accepted with a ``DeprecationWarning`` until ddpkit 0.3.
+
+    Returns:
+        The :class:`History` of this run (resumed epochs are not repeated).
+
+    Raises:
+        ddpkit.Preempted: a stop signal; the checkpoint is written. Uncaught,
+            the process exits with status 75.
+        TrainingError: a loss that is not finite (names the epoch and step).
+        CheckpointError: a checkpoint write failed (on every rank), resume failed, or a
+            fresh run's directory holds another run's files (``CheckpointManager(overwrite=)``).
+        ValueError: ``epochs`` is negative, a config value is invalid, or
+            ``resume`` without ``checkpoints``.
+        TypeError: an unknown keyword argument.
+
+    Example:
+        >>> history = fit(model, train_loader, optimizer, criterion=FocalLoss(gamma=2),
+        ...               epochs=90, val_loader=val_loader, scheduler=scheduler,
+        ...               config=TrainConfig(amp="bf16"), resume=True,
+        ...               checkpoints=CheckpointManager("checkpoints", every_minutes=10),
+        ...               faults=FaultConfig(hang_timeout=600))
+    """
+    config, report = _configs(config, report, deprecated)
+    faults = faults or FaultConfig()
+    if epochs < 0:
+        raise ValueError(f"epochs must be >= 0, got {epochs}")
+    if resume is not False and checkpoints is None:
+        raise ValueError("resume=True needs checkpoints=CheckpointManager(directory)")
+    dev = torch.device(config.device) if config.device is not None else module_device(model)
+    scaler = torch.amp.GradScaler(dev.type) if config.amp == "fp16" else None
+    world, rank = comm.get_world_size(), comm.get_rank()
+    start, carried = None, None
+    if checkpoints is not None:  # what every save and the resume read and load, bound once
+        checkpoints.bind(TrainingState(model, optimizer, scheduler, scaler, ema))
+    if resume is not False and checkpoints is not None:
+        path = None if resume is True else resume
+        checkpoints.resume(path=path, strict_rng=False)
+        start = resume_start(checkpoints, train_loader, world, faults.on_data_change, scheduler)
+        carried = _carried(checkpoints.loop, start, world, rank)
+    if checkpoints is not None and start is None:  # a fresh run: refused before it trains
+        dest, writes = checkpoints.directory, checkpoints.writes
+        claim_directory(dest, writes=writes, overwrite=checkpoints.overwrite)
+    history = History()
+    store = _control_store(world, rank)
+    interval = checkpoints.every_minutes if checkpoints is not None else None
+    control = StepControl(
+        signals=faults.stop_signals,
+        store=store,
+        rank=rank,
+        world_size=world,
+        save_every_minutes=interval,
+    )
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(control)
+        watchdog = None
+        if faults.hang_timeout is not None:
+            from ddpkit.distributed.watchdog import (
+                HangWatchdog,  # its thread and store client: only if asked
+            )
+
+            watchdog = stack.enter_context(HangWatchdog(timeout=faults.hang_timeout))
+        reporter = Reporter(report, is_main=comm.is_main_process())
+        stack.callback(reporter.close)
+        header = _header(
+            world, epochs, config, val_loader if val_loader is not None else train_loader
+        )
+        reporter.start(header, resumed=start is not None)
+        if start is not None and start.epoch >= epochs:
+            reporter.say(f"nothing to do: finished at epoch {start.epoch} of {epochs}")
+        elif start is not None:
+            reporter.say(
+                f"resuming at epoch {start.epoch + 1} step {start.step} "
+                f"({start.batches} batches of the epoch done)"
+            )
+        _check_batches(train_loader, world)
+        per_step = config.scheduler_per_step or bool(getattr(scheduler, "per_step", False))
+        run = Run(
+            model,
+            optimizer,
+            criterion,
+            config,
+            dev,
+            scaler,
+            scheduler,
+            checkpoints,
+            control,
+            reporter,
+            watchdog,
+            world,
+            rank,
+            start.step if start is not None else 0,
+            ema,
+            per_step,
+        )
+        if checkpoints is not None:
+            run.data = data_identity(getattr(train_loader, "dataset", None))
+        try:
+            first = start.epoch if start is not None else 0
+            for epoch in range(first, epochs):
+                began = time.perf_counter()
+                record = train_epoch(
+                    run, train_loader, epoch, epochs, start, carried if epoch == first else None
+                )
+                _finish_epoch(run, record, epoch, epochs, val_loader, callbacks, history, began)
+            if checkpoints is not None:
+                checkpoints.flush()  # every rank learns whether the last write failed
+            reporter.finish(history.records)
+        except BaseException:
+            if checkpoints is not None:
+                checkpoints.wait(raise_error=False)  # the file being written is completed
+            raise
+    return history
+
+
+def _finish_epoch(
+    run: Run,
+    record: dict[str, Any],
+    epoch: int,
+    epochs: int,
+    val_loader: Iterable[Any] | None,
+    callbacks: Sequence[Callable[[dict[str, Any]], None]],
+    history: History,
+    began: float,
+) -> None:
+    """Validate, step the scheduler, report, save the epoch checkpoint, stop if asked."""
+    config = run.config
+    # Each rank's BatchNorm statistics moved with its own last batches: from here on
+    # every rank holds rank 0's, the model (and average) validated is the one saved.
+    sync_buffers(run.model)
+    if run.ema is not None:
+        sync_ema_buffers(run.ema)
+    if val_loader is not None:
+        measure = functools.partial(
+            evaluate,
+            criterion=run.criterion,
+            normalize=config.normalize,
+            amp=config.amp,
+            device=run.device,
+        )
+        watched = functools.partial(run.watched, val_loader, val_loader, "val_data", "validate")
+        record.update(_val_record(measure(run.model, watched()), val_loader))
+        if run.ema is not None:
+            averaged = measure(run.ema.module, watched())
+            keys = ("acc1", "acc5", "loss") if "val_acc5" in record else ("acc1", "loss")
+            record.update({f"val_ema_{k}": averaged[k] for k in keys})
+    if run.scheduler is not None and not run.per_step:
+        run.scheduler.step()
+    record["wall_seconds"] = time.perf_counter() - began
+    history.records.append(record)
+    run.reporter.epoch(record, epochs)
+    for callback in callbacks:
+        callback(record)
+    manager = run.checkpoints
+    if manager is not None:
+        run.tick("save")
+        metrics = {"acc1": record.get("val_acc1", 0.0), "loss": record["train_loss"]}
+        if "val_ema_acc1" in record:
+            metrics["ema_acc1"] = record["val_ema_acc1"]
+        manager.save(epoch, metrics=metrics, step=run.step, block=False)
+        run.control.saved()
+    stop = run.control.stop_at_epoch_end()
+    if stop is not None:
+        stop_now(run, stop, None, None)
+
+
+def _val_record(val: dict[str, Any], loader: Iterable[Any]) -> dict[str, Any]:
+    """``evaluate``'s figures as ``val_*`` keys; the worst class named, a big matrix left out."""
+    val = dict(val)
+    if len(val.get("confusion", ())) > _CONFUSION_IN_RECORD:
+        del val["confusion"]
+    if 0 < len(val.get("recall") or ()) <= _TOP5_ALWAYS:  # top-5 of at most 5 classes: 100 %
+        del val["acc5"]
+    classes = getattr(getattr(loader, "dataset", None), "classes", None)
+    worst = val.get("worst_class")
+    if worst is not None and isinstance(classes, Sequence) and worst < len(classes):
+        val["worst_class"] = str(classes[worst])
+    return {f"val_{k}": v for k, v in val.items()}
+
+
+def _carried(loop: Any, start: Position | None, world: int, rank: int) -> Any:
+    """This rank's running totals of the resumed epoch (all of them on rank 0 if ranks changed)."""
+    if not loop or start is None or not start.mid_epoch:
+        return None
+    if start.world_size == world:
+        return loop[rank]
+    if rank != 0:
+        return None
+    entries = [e for e in loop if e]
+    return {key: sum(e.get(key, 0) for e in entries) for key in ("loss_sum", "samples")} | {
+        key: max((e.get(key, 0.0) for e in entries), default=0.0)
+        for key in ("seconds", "data_seconds")
+    }
+
+
+def _header(world: int, epochs: int, config: TrainConfig, loader: Any) -> dict[str, Any]:
+    """What ``metrics.jsonl`` records about a run when it starts (the class names too)."""
+    import torchvision
+
+    from ddpkit._version import __version__
+
+    classes = getattr(getattr(loader, "dataset", None), "classes", None)
+    return {
+        "classes": [str(c) for c in classes] if isinstance(classes, Sequence) else None,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "world_size": world,
+        "epochs": epochs,
+        "config": {k: repr(v) for k, v in dataclasses.asdict(config).items()},
+        "versions": {
+            "ddpkit": __version__,
+            "torch": torch.__version__,
+            "torchvision": torchvision.__version__,
+        },
+    }
+
+
+def _check_batches(loader: Iterable[Any], world: int) -> None:
+    """Refuse a training loader that yields no batch, before anything is trained or saved."""
+    try:
+        count = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return  # an iterable without a length: nothing to check
+    if count > 0:
+        return
+    batch = getattr(loader, "batch_size", None)
+    drop = getattr(loader, "drop_last", None)
+    data = getattr(loader, "dataset", None)
+    size = len(data) if data is not None and hasattr(data, "__len__") else "?"
+    raise ValueError(
+        f"the training loader yields no batch: the dataset has {size} samples, a batch is "
+        f"{batch} per process x {world} process(es), drop_last={drop}. Lower the batch size "
+        "(or use more data); with drop_last=False a short last batch is kept"
+    )
+
+
+def _control_store(world: int, rank: int) -> Any:
+    """The store every rank shares, under a prefix new to this run (one collective)."""
+    if world <= 1 or not dist.is_initialized():
+        return None
+    token = comm.all_gather_object(secrets.token_hex(8) if rank == 0 else None)[0]
+    return dist.PrefixStore(f"ddpkit/fit/{token}/", dist.distributed_c10d._get_default_store())
+
+
+def _configs(
+    config: TrainConfig | None, report: ReportConfig | None, deprecated: dict[str, Any]
+) -> tuple[TrainConfig, ReportConfig]:
+    """The two configs, with the former keyword arguments of ``fit`` folded in."""
+    unknown = sorted(set(deprecated) - set(_TRAIN_KEYS) - set(_REPORT_KEYS))
+    if unknown:
+        raise TypeError(f"fit() got unexpected keyword argument(s) {unknown}")
+    config, report = config or TrainConfig(), report or ReportConfig()
+    if deprecated:
+        _graveyard.deprecated(
+            f"fit({', '.join(f'{k}=' for k in deprecated)}...)",
+            "fit(config=TrainConfig(...)) and fit(report=ReportConfig(...))",
+            stacklevel=4,
+        )
+        train = {k: v for k, v in deprecated.items() if k in _TRAIN_KEYS}
+        shown = {k: v for k, v in deprecated.items() if k in _REPORT_KEYS}
+        config = dataclasses.replace(config, **train)
+        report = dataclasses.replace(report, **shown)
+    return config, report

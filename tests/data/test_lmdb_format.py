@@ -1,0 +1,133 @@
+"""ddpkit.data.lmdb_format: checking data files, opening and sharing environments, the index."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import lmdb
+import pytest
+from lmdb_fixtures import write_db
+
+from ddpkit.data.lmdb_format import (
+    INDEX_KEY,
+    LMDBFormatError,
+    check_data_file,
+    data_file,
+    encode_index,
+    env_for_reading,
+    identity,
+    is_lmdb,
+    open_env,
+    read_index,
+    sample_key,
+    shared_env,
+)
+
+
+def _db(path: Path, n: int = 3) -> Path:
+    return write_db(
+        path, [bytes([i]) * 64 for i in range(n)], [i % 2 for i in range(n)], ["a", "b"]
+    )
+
+
+def _single_file_db(path: Path) -> Path:
+    env = lmdb.open(str(path), subdir=False, map_size=8 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(sample_key(0), b"img")
+        txn.put(INDEX_KEY, encode_index([1], ["a", "b"]))
+    env.close()
+    return path
+
+
+def test_data_file_is_inside_a_directory_or_the_file_itself(tmp_path: Path) -> None:
+    directory = _db(tmp_path / "db")
+    single = _single_file_db(tmp_path / "one.lmdb")
+    assert data_file(directory) == os.path.join(directory, "data.mdb")
+    assert data_file(single) == str(single)
+    assert is_lmdb(directory)
+    assert is_lmdb(single)
+    assert read_index(single).classes == ("a", "b")
+    assert list(read_index(single).labels) == [1]
+
+
+@pytest.mark.parametrize("content", [b"", b"\0" * 4096, b"not an lmdb" * 100])
+def test_files_without_an_lmdb_header_are_told_apart(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "data.mdb"
+    path.write_bytes(content)
+    assert not is_lmdb(path)
+    what = "an empty file" if not content else f"{len(content)} bytes without an LMDB header"
+    with pytest.raises(LMDBFormatError, match=re.escape(what)):
+        check_data_file(path)
+    assert not is_lmdb(tmp_path / "missing")  # no exception for a missing path either
+
+
+def test_a_copy_short_by_one_page_is_refused_with_both_sizes(tmp_path: Path) -> None:
+    db = _db(tmp_path / "db", n=40)
+    check_data_file(db)  # whole: fine
+    data = Path(data_file(db))
+    size = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.truncate(size - 4096)
+    with pytest.raises(LMDBFormatError, match="is truncated") as info:
+        check_data_file(db)
+    message = str(info.value)
+    fills = int(re.search(r"fills (\d+) bytes", message).group(1))  # type: ignore[union-attr]
+    assert size - 4096 < fills <= size
+    assert f"the file has {size - 4096}" in message
+    assert f"ddpkit lmdb verify {db}" in message
+
+
+def test_open_env_names_what_is_missing(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no such LMDB database\. Build one with"):
+        open_env(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LMDBFormatError, match=r"a directory without data\.mdb"):
+        open_env(tmp_path / "empty")
+
+
+def test_open_env_is_read_only(tmp_path: Path) -> None:
+    env = open_env(_db(tmp_path / "db"))
+    try:
+        with pytest.raises(lmdb.ReadonlyError), env.begin(write=True) as txn:
+            txn.put(b"k", b"v")
+    finally:
+        env.close()
+
+
+def test_identity_tells_a_replaced_file_from_the_same_one(tmp_path: Path) -> None:
+    db = _db(tmp_path / "db")
+    first = identity(db)
+    assert identity(db, data_file(db)) == first
+    aside = _db(tmp_path / "other", n=5)
+    os.replace(data_file(aside), data_file(db))
+    assert identity(db) != first
+
+
+def test_shared_env_is_one_per_file_and_refuses_a_replaced_one(tmp_path: Path) -> None:
+    db = _db(tmp_path / "shared")
+    before = identity(db)
+    env = shared_env(db)
+    assert shared_env(db) is env
+    assert shared_env(str(db) + "/", expect=before) is env  # the same file by another spelling
+    with env_for_reading(db) as reading:
+        assert reading is env  # the shared one, not a second open of the path
+    os.replace(data_file(_db(tmp_path / "new", n=7)), data_file(db))
+    with pytest.raises(
+        LMDBFormatError,
+        match=r"was replaced \(rebuilt or copied over\) after this dataset read its index",
+    ):
+        shared_env(db, expect=before)
+    fresh = shared_env(db)  # without an expectation: the new file, opened again
+    assert fresh is not env
+    assert len(read_index(db)) == 7
+
+
+def test_env_for_reading_closes_a_short_lived_environment(tmp_path: Path) -> None:
+    db = _db(tmp_path / "once")
+    with env_for_reading(db) as env, env.begin() as txn:
+        assert txn.get(sample_key(0)) == b"\0" * 64
+    with pytest.raises(lmdb.Error):
+        env.stat()  # closed on leaving
+    assert len(read_index(db)) == 3  # and the path can be opened again

@@ -1,0 +1,260 @@
+"""build_loader: per-process batches, samplers, workers and their seeds, on real ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from loader_fixtures import Indices, Noisy, info
+from torch.utils.data import (
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+
+from ddpkit.data import DistributedEvalSampler, build_loader, set_epoch
+from ddpkit.distributed import comm
+from ddpkit.testing import run_distributed
+
+
+def _loaders_on_each_rank(rank: int, world_size: int) -> dict[str, Any]:
+    dataset = Indices(10)
+    evaluation = build_loader(dataset, batch_size=4, train=False, workers=0)
+    seen = [int(i) for batch in evaluation for i in batch]
+    training = build_loader(dataset, batch_size=2, train=True, workers=0, seed=5)
+    set_epoch(training, 1)
+    trained = [int(i) for batch in training for i in batch]
+    return {
+        "eval_sampler": type(evaluation.sampler).__name__,
+        "eval": comm.all_gather_object(seen),
+        "train": comm.all_gather_object(trained),
+    }
+
+
+def test_loaders_split_the_data_across_real_ranks() -> None:
+    results = run_distributed(_loaders_on_each_rank, 3, timeout=120)
+    first = results[0]
+    assert all(r == first for r in results)
+    assert first["eval_sampler"] == "DistributedEvalSampler"
+    assert sorted(i for part in first["eval"] for i in part) == list(range(10))
+    # Training drops the tail that does not divide over 3 ranks: 3 each, all distinct.
+    train = [i for part in first["train"] for i in part]
+    assert [len(part) for part in first["train"]] == [2, 2, 2]  # one batch of 2 each
+    assert len(set(train)) == len(train)
+
+
+def test_global_batch_is_divided_over_the_ranks() -> None:
+    loader = build_loader(Indices(100), global_batch_size=64, train=True, workers=0, info=info())
+    assert loader.batch_size == 16
+    # Training samplers hand out (epoch, index) pairs around torch's sampler.
+    inner = loader.sampler.inner  # type: ignore[attr-defined]
+    assert isinstance(inner, DistributedSampler)
+    assert (inner.num_replicas, inner.rank) == (4, 1)
+    assert inner.shuffle
+    assert inner.drop_last
+    assert loader.drop_last
+
+
+def test_global_batch_that_does_not_divide_suggests_neighbours() -> None:
+    with pytest.raises(ValueError, match="global_batch_size=100") as err:
+        build_loader(Indices(10), global_batch_size=100, train=True, info=info(1, 8, 8))
+    assert "96" in str(err.value)
+    assert "104" in str(err.value)
+    assert "batch_size=12" in str(err.value)
+    with pytest.raises(ValueError, match="use 8, or pass batch_size=1"):
+        build_loader(Indices(10), global_batch_size=3, train=True, info=info(1, 8, 8))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_size": 4, "global_batch_size": 16}, "exactly one"),
+        ({}, "exactly one"),
+        ({"batch_size": 0}, "batch_size must be at least 1, got 0"),
+        ({"global_batch_size": -4}, "global_batch_size must be at least 1, got -4"),
+        ({"batch_size": 4, "workers": -1}, r"workers must be 0\.\.1024, got -1"),
+    ],
+)
+def test_bad_batch_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_loader(Indices(10), train=False, info=info(), **kwargs)
+
+
+def test_iterable_dataset_is_refused() -> None:
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(3))
+
+    with pytest.raises(TypeError, match="map-style"):
+        build_loader(Stream(), batch_size=1, train=False)
+
+
+def test_single_process_samplers_and_defaults() -> None:
+    one = info(0, 1, 1)
+    train = build_loader(Indices(10), batch_size=3, train=True, workers=0, info=one)
+    evaluation = build_loader(Indices(10), batch_size=3, train=False, workers=0, info=one)
+    assert isinstance(train.sampler.inner, RandomSampler)  # type: ignore[attr-defined]
+    assert train.drop_last
+    assert isinstance(evaluation.sampler, SequentialSampler)
+    assert not evaluation.drop_last
+    assert [len(b) for b in evaluation] == [3, 3, 3, 1]
+    assert not train.pin_memory  # info says CPU
+
+
+def test_batch_size_may_be_passed_by_position() -> None:
+    loader = build_loader(Indices(10), 4, train=False, workers=0, info=info(0, 1, 1))
+    assert loader.batch_size == 4
+
+
+def test_eval_loader_on_several_ranks_is_exact_and_keeps_the_tail() -> None:
+    loader = build_loader(Indices(10), batch_size=4, train=False, workers=0, info=info(1, 4))
+    assert isinstance(loader.sampler, DistributedEvalSampler)
+    assert not loader.drop_last
+    assert [i for batch in loader for i in batch.tolist()] == [1, 5, 9]
+
+
+def test_workers_zero_drops_worker_options() -> None:
+    loader = build_loader(
+        Indices(10),
+        batch_size=2,
+        train=True,
+        workers=0,
+        info=info(),
+        prefetch_factor=4,
+        persistent_workers=True,
+        multiprocessing_context="spawn",
+    )
+    assert loader.num_workers == 0
+    assert not loader.persistent_workers
+    assert len(list(loader)) == 1  # 10 samples over 4 ranks: 2 each, one batch
+
+
+def test_worker_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    loader = build_loader(Indices(10), batch_size=2, train=False, info=info(1, 4, 4))
+    assert loader.num_workers == 3  # 12 usable CPUs over 4 local processes
+    assert loader.persistent_workers
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert build_loader(Indices(10), batch_size=2, train=False).num_workers == 6
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert build_loader(Indices(10), batch_size=2, train=False).num_workers == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert build_loader(Indices(10), batch_size=2, train=False).num_workers == 1
+
+
+def _first_batches(seed: int, rank: int = 0, world: int = 1) -> list[list[float]]:
+    """The first two batches (one from each worker), as [indices, torch, random, numpy]."""
+    loader = build_loader(
+        Noisy(), batch_size=4, train=True, workers=2, seed=seed, info=info(rank, world, world)
+    )
+    batches = iter(loader)
+    first, second = next(batches), next(batches)
+    return [a.tolist() + b.tolist() for a, b in zip(first, second, strict=True)]
+
+
+def test_worker_randomness_is_reproducible_per_seed_and_rank() -> None:
+    first = _first_batches(seed=1)
+    assert _first_batches(seed=1) == first
+    other = _first_batches(seed=2)
+    for a, b in zip(first, other, strict=True):
+        assert a != b
+    # Same seed on two ranks: different samples and different augmentations.
+    rank0, rank1 = _first_batches(seed=1, rank=0, world=2), _first_batches(seed=1, rank=1, world=2)
+    assert set(rank0[0]).isdisjoint(rank1[0])
+    for a, b in zip(rank0[1:], rank1[1:], strict=True):
+        assert a != b
+    # The two workers' Python and numpy RNGs are seeded apart, not forked copies.
+    for values in first[1:]:
+        assert len(set(values)) == len(values)
+
+
+_GROUP_SIGNAL_JOB = """
+import os, signal, sys, time
+import torch
+from torch.utils.data import Dataset
+from ddpkit.data import build_loader
+
+class Pids(Dataset):
+    def __len__(self): return 64
+    def __getitem__(self, i): return os.getpid()
+
+name = sys.argv[1]
+signal.signal(getattr(signal, name), lambda *a: print("parent got", name, flush=True))
+loader = build_loader(Pids(), batch_size=4, train=True, workers=2, seed=0,
+                      multiprocessing_context="fork")
+batches = iter(loader)
+pids = {int(p) for _ in range(4) for p in next(batches)}
+os.killpg(0, getattr(signal, name))  # what torchrun, Kubernetes and a terminal do
+time.sleep(0.5)  # a worker that died of it would be reported from here on
+rest = {int(p) for batch in batches for p in batch}
+print("workers", len(pids), "same", rest == pids, flush=True)
+# The loader is still alive at exit: the interpreter must still end.
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"])
+def test_workers_outlive_a_signal_to_the_whole_group_and_still_end_at_exit(name: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _GROUP_SIGNAL_JOB, name], capture_output=True, text=True,
+        timeout=90, start_new_session=True,  # a process group of its own to signal
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"parent got {name}" in done.stdout
+    assert "workers 2 same True" in done.stdout, done.stderr[-3000:]
+
+
+_KILLED_TRAINER_JOB = """
+import multiprocessing, os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from loader_fixtures import Indices
+from ddpkit.data import build_loader
+
+start = sys.argv[1]
+multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "loader_fixtures"])
+loader = build_loader(Indices(64), batch_size=4, train=True, workers=2, seed=0,
+                      multiprocessing_context=start)
+batches = iter(loader)
+next(batches)
+pids = [w.pid for w in batches._workers]
+if start == "forkserver":
+    from multiprocessing import forkserver
+    pids.append(forkserver._forkserver._forkserver_pid)
+print(*pids, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
+def test_workers_end_when_the_training_process_is_killed(start: str) -> None:
+    # A forkserver's workers are the server's children and hold it open: without
+    # build_loader's watch on the training process, both would run for ever.
+    tests = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, "-c", _KILLED_TRAINER_JOB, start, tests],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == -9, done.stderr[-3000:]
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == (3 if start == "forkserver" else 2)
+    deadline = time.monotonic() + 20  # torch's workers look at their parent every 5 s
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if _running(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert left == [], f"still running after the training process was killed: {left}"

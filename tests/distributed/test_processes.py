@@ -1,0 +1,94 @@
+"""ddpkit.distributed.processes: run_processes results, the first real failure, stops, timeouts."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpkit.distributed.processes import RankFailedError, Stop, run_and_collect, run_processes
+
+
+def _all_ready(index: int, directory: str, count: int) -> None:
+    """Wait until all ``count`` processes started, so their failures come moments apart."""
+    Path(directory, f"ready-{index}").touch()
+    deadline = time.monotonic() + 90
+    while len(list(Path(directory).glob("ready-*"))) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _fail_in_order(index: int, directory: str) -> None:
+    _all_ready(index, directory, 3)
+    if index == 0:  # first, but only the echo of a peer that went away
+        raise RuntimeError("[gloo/transport] Connection closed by peer")
+    if index == 2:
+        time.sleep(0.1)
+        raise ValueError("the real cause")
+    time.sleep(0.4)
+    raise KeyError("a later error")
+
+
+class _MyError(RankFailedError):
+    pass
+
+
+def test_the_earliest_real_failure_is_the_cause_and_the_others_are_listed(tmp_path: Path) -> None:
+    with pytest.raises(_MyError) as info:
+        run_processes(_fail_in_order, 3, (str(tmp_path),), timeout=120, error=_MyError,
+                      first_rank=4, world_size=8)  # fmt: skip
+    error, message = info.value, str(info.value)
+    assert error.rank == 6  # process 2, named by its rank in the job
+    assert message.startswith("rank 6 of 8 failed: ValueError: the real cause")
+    assert "(then also failed: rank 5: KeyError: 'a later error'; rank 4: RuntimeError" in message
+    assert "--- traceback from rank 6 ---" in message
+    assert "_fail_in_order" in error.remote_traceback
+    assert "ValueError: the real cause" in error.remote_traceback
+
+
+def _hang(index: int) -> None:
+    while True:
+        time.sleep(0.1)
+
+
+def test_a_timeout_names_the_unfinished_ranks_and_kills_them() -> None:
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        run_processes(_hang, 1, timeout=3, first_rank=3, world_size=4, timeout_hint="Look here.")
+    assert time.monotonic() - start < 3 + 10
+    message = str(info.value)
+    assert message.startswith("1 of 1 ranks had not finished after 3 s: rank(s) 3.")
+    assert message.endswith("they were killed. Look here.")
+
+
+class _Halt(Exception):
+    pass
+
+
+def _stop_in_ways(index: int, directory: str) -> None:
+    _all_ready(index, directory, 3)
+    if index == 0:
+        time.sleep(0.2)
+        raise RuntimeError("Connection closed by peer")  # a consequence of the stops
+    if index == 1:
+        raise _Halt("asked to stop")
+    os._exit(75)  # a stop code, without a report
+
+
+def test_stops_are_no_failure_nor_is_a_peer_lost_beside_them(tmp_path: Path) -> None:
+    outcome = run_and_collect(_stop_in_ways, 3, (str(tmp_path),), timeout=120,
+                              stop_types=(_Halt,), stop_exit_codes=frozenset({75}))  # fmt: skip
+    assert outcome.values is None
+    assert outcome.failure is None
+    stops = sorted(outcome.stops, key=lambda s: s.rank)
+    assert [s.rank for s in stops] == [1, 2]
+    assert isinstance(stops[0].exception, _Halt)
+    assert stops[1] == Stop(2, None, 75)
+
+
+def test_rank_failed_error_keeps_its_rank_and_traceback() -> None:
+    error = RankFailedError("rank 3 of 4 failed: boom", 3, "Traceback ...")
+    assert (error.rank, error.remote_traceback, str(error)) == (3, "Traceback ...", error.args[0])
+    assert isinstance(error, RuntimeError)
+    assert RankFailedError("x", 0).remote_traceback == ""

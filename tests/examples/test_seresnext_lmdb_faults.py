@@ -1,0 +1,306 @@
+"""The example survives faults: torchrun and spawn restarts, SIGTERM to the launcher, new world.
+
+Each run is the real ``examples/seresnext_lmdb.py`` on 2 CPU processes (Gloo)
+with timm's tiny ``test_resnet`` on a small shapes LMDB, step checkpoints
+every 2 steps, data workers from a forkserver (``--worker-start``). A run
+that nothing interrupts gives the weights that every interrupted and resumed
+run must end with, ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpkit import PREEMPTED_EXIT_CODE, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "seresnext_lmdb.py"
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")
+_LIMIT_S = 240
+# 48 images, a global batch of 12 on 2 ranks: 4 steps an epoch, 12 in all; step
+# checkpoints at steps 2, 6 and 10 (4, 8 and 12 end an epoch).
+EPOCHS, STEPS_PER_EPOCH = 3, 4
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import ddpkit
+    from ddpkit.data.shapes import make_shapes_dataset
+
+    root = tmp_path_factory.mktemp("shapes")
+    sizes = {"train_per_class": 16, "val_per_class": 4, "size": 32}
+    dirs = make_shapes_dataset(root / "src", classes=3, **sizes)
+    for split, source in zip(("train", "val"), dirs, strict=True):
+        ddpkit.build_lmdb(source, root / f"{split}.lmdb", progress=False)
+    return root
+
+
+def _args(data: Path, checkpoints: Path, *extra: str) -> list[str]:
+    return [str(SCRIPT), "--data", str(data), "--arch", "test_resnet", "--image-size", "32",
+            "--epochs", str(EPOCHS), "-b", "12", "-j", "2", "--requires-grad", "--lr", "0.05",
+            "--checkpoints", str(checkpoints), "--save-every-steps", "2", "--network", "tiny",
+            "--dist-backend", "gloo", "--worker-start", "forkserver", *extra]  # fmt: skip
+
+
+def _torchrun(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *extra]  # fmt: skip
+
+
+def _spawn(data: Path, checkpoints: Path, nprocs: int, *extra: str) -> list[str]:
+    return [sys.executable, *_args(data, checkpoints, "--multiprocessing-distributed",
+                                   "--nprocs", str(nprocs), *extra)]  # fmt: skip
+
+
+def _launch(
+    command: list[str], when: Callable[[subprocess.Popen[str]], None] | None = None
+) -> tuple[int, str]:
+    """Run ``command`` to its end, calling ``when(process)`` first; its status and output."""
+    with subprocess.Popen(
+        command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        try:
+            if when is not None:
+                when(proc)
+            out, _ = proc.communicate(timeout=_LIMIT_S)
+        finally:
+            if proc.poll() is None:
+                _kill_tree(proc.pid)
+    return proc.returncode, out
+
+
+def _run(command: list[str], when: Callable[[subprocess.Popen[str]], None] | None = None) -> str:
+    """The output of ``command``, which must succeed."""
+    code, out = _launch(command, when)
+    assert code == 0, out[-4000:]
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    for child in _children(pid):
+        _kill_tree(child)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _workers(launcher: int) -> list[int]:
+    """The training processes a launcher started (torchrun's or spawn's children)."""
+    found = []
+    for pid in _children(launcher):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" not in command:
+            found.append(pid)
+    return found
+
+
+def _when_step_saved(checkpoints: Path, step: int) -> None:
+    """Wait until the checkpoint of ``step`` exists."""
+    name = checkpoints / f"step-{step:09d}.pth"
+    deadline = time.monotonic() + _LIMIT_S
+    while not name.exists():
+        assert time.monotonic() < deadline, f"{name} never appeared"
+        time.sleep(0.01)
+
+
+def _kill_a_worker(checkpoints: Path, step: int) -> Callable[[subprocess.Popen[str]], None]:
+    def kill(proc: subprocess.Popen[str]) -> None:
+        _when_step_saved(checkpoints, step)
+        workers = _workers(proc.pid)
+        assert workers, "no worker process found"
+        os.kill(max(workers), signal.SIGKILL)
+
+    return kill
+
+
+def _terminate_launcher(checkpoints: Path, step: int) -> Callable[[subprocess.Popen[str]], None]:
+    def term(proc: subprocess.Popen[str]) -> None:
+        _when_step_saved(checkpoints, step)
+        proc.send_signal(signal.SIGTERM)
+
+    return term
+
+
+def _final(checkpoints: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(checkpoints / "latest.pth")["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    checkpoints = tmp_path_factory.mktemp("reference")
+    out = _run(_spawn(data, checkpoints, 2))
+    assert f"epoch {EPOCHS}/{EPOCHS}: train_loss" in out, out[-3000:]
+    return _final(checkpoints)
+
+
+def _assert_equal(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert weights.keys() == reference.keys()
+    for key, value in reference.items():
+        assert torch.equal(weights[key], value), key
+
+
+def _kill_then_terminate(checkpoints: Path) -> Callable[[subprocess.Popen[str]], None]:
+    """Kill a worker once step 2 is saved; SIGTERM the launcher once the restarted run saved 6."""
+
+    def faults(proc: subprocess.Popen[str]) -> None:
+        _kill_a_worker(checkpoints, 2)(proc)
+        _terminate_launcher(checkpoints, 6)(proc)
+
+    return faults
+
+
+# The spawn launcher gets both faults in one job: a worker killed after step 2 (the
+# launcher restarts them all, which resume from that step), then SIGTERM to the launcher
+# after step 6 (the workers save and stop). A spawn run resumes it to the end, and its
+# weights must be the reference's: they are only if both resumes were exact. The tests
+# of spawn share that job and its resumed run, and each asserts on its part of them.
+Job = tuple[int, str, Path]  # a run's status, output and checkpoints
+
+
+def _faulty_job(command: list[str], checkpoints: Path) -> Job:
+    code, out = _launch(command, _kill_then_terminate(checkpoints))
+    return code, out, checkpoints
+
+
+def _resumed(job: Job, data: Path, tmp_path_factory: pytest.TempPathFactory, nprocs: int) -> Job:
+    """A spawn run on ``nprocs`` that resumes a copy of ``job``'s checkpoints to the end."""
+    copy = tmp_path_factory.mktemp("resumed") / "checkpoints"
+    shutil.copytree(job[2], copy)
+    code, out = _launch(_spawn(data, copy, nprocs, "--resume"))
+    return code, out, copy
+
+
+@pytest.fixture(scope="module")
+def spawn_job(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    checkpoints = tmp_path_factory.mktemp("spawn")
+    return _faulty_job(_spawn(data, checkpoints, 2, "--max-restarts", "2"), checkpoints)
+
+
+@pytest.fixture(scope="module")
+def spawn_resumed(data: Path, spawn_job: Job, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    return _resumed(spawn_job, data, tmp_path_factory, 2)
+
+
+def _assert_resumed_bit_exact(resumed: Job, reference: dict[str, torch.Tensor]) -> None:
+    code, out, checkpoints = resumed
+    assert code == 0, out[-4000:]
+    assert "resuming at epoch" in out, out[-4000:]
+    _assert_equal(_final(checkpoints), reference)
+
+
+def _assert_stop_checkpoint(out: str) -> None:
+    """The stop names the checkpoint it wrote, which exists: interrupted.pth, or latest.pth
+    when the step the ranks agreed to stop after was the last of an epoch."""
+    said = re.search(r"stopped by SIGTERM after step \d+, checkpoint (\S+);", out)
+    assert said is not None, out[-4000:]
+    path = Path(said.group(1))
+    assert path.name in ("interrupted.pth", "latest.pth"), said.group(0)
+    assert path.is_file(), said.group(0)
+
+
+@pytest.mark.timeout(2 * _LIMIT_S)
+def test_torchrun_restarts_a_killed_worker_and_ends_bit_exact(
+    data: Path, reference: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    command = [*_torchrun("--max-restarts", "3"), *_args(data, tmp_path, "--resume")]
+    out = _run(command, _kill_a_worker(tmp_path, 6))
+    resumed = re.search(r"resuming at epoch \d+ step (\d+) \(\d+ batches of the epoch done\)", out)
+    assert resumed, out[-4000:]
+    assert int(resumed.group(1)) >= 6  # from a step checkpoint, not from the start
+    _assert_equal(_final(tmp_path), reference)
+
+
+@pytest.mark.timeout(3 * _LIMIT_S)
+def test_spawn_max_restarts_restarts_a_killed_process_and_ends_bit_exact(
+    spawn_job: Job, spawn_resumed: Job, reference: dict[str, torch.Tensor]
+) -> None:
+    out = spawn_job[1]
+    assert "restarting all 2 processes (restart 1 of 2)" in out, out[-4000:]
+    assert "resuming at epoch" in out, out[-4000:]
+    _assert_resumed_bit_exact(spawn_resumed, reference)
+
+
+@pytest.mark.timeout(3 * _LIMIT_S)
+def test_sigterm_to_the_launcher_exits_75_and_the_resumed_run_is_bit_exact(
+    spawn_job: Job, spawn_resumed: Job, reference: dict[str, torch.Tensor]
+) -> None:
+    code, out, _ = spawn_job
+    assert code == PREEMPTED_EXIT_CODE, out[-4000:]
+    _assert_stop_checkpoint(out)
+    _assert_resumed_bit_exact(spawn_resumed, reference)
+
+
+@pytest.mark.timeout(3 * _LIMIT_S)
+def test_a_2_rank_run_continues_on_3_with_a_warning(
+    data: Path, spawn_job: Job, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    assert spawn_job[0] == PREEMPTED_EXIT_CODE, spawn_job[1][-4000:]
+    code, out, checkpoints = _resumed(spawn_job, data, tmp_path_factory, 3)
+    assert code == 0, out[-4000:]
+    assert "not bit-exact" in out, out[-4000:]
+    assert f"epoch {EPOCHS}/{EPOCHS}: train_loss" in out, out[-4000:]
+    assert load_checkpoint(checkpoints / "latest.pth")["world_size"] == 3
+
+
+@pytest.mark.timeout(2 * _LIMIT_S)
+def test_sigterm_to_torchrun_reaches_the_workers_which_save_and_resume_bit_exact(
+    data: Path, reference: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    command = [*_torchrun("--max-restarts", "3"), *_args(data, tmp_path, "--resume")]
+    code, out = _launch(command, _terminate_launcher(tmp_path, 2))
+    assert code != 0, out[-4000:]  # torchrun's own status after a signal; never a restart
+    assert "stopped by SIGTERM after step" in out, out[-4000:]
+    _assert_stop_checkpoint(out)
+    out = _run(_spawn(data, tmp_path, 2, "--resume"))
+    assert "resuming at epoch" in out, out[-4000:]
+    _assert_equal(_final(tmp_path), reference)
+
+
+@pytest.mark.timeout(2 * _LIMIT_S)
+def test_ctrl_c_to_torchrun_stops_the_ranks_with_a_checkpoint(data: Path, tmp_path: Path) -> None:
+    # What docs/quickstart.md says a person sees: the ranks' stop line and checkpoint, then
+    # torchrun's own SignalException traceback and its exit status 1.
+    def interrupt(proc: subprocess.Popen[str]) -> None:
+        _when_step_saved(tmp_path, 2)
+        proc.send_signal(signal.SIGINT)
+
+    code, out = _launch([*_torchrun(), *_args(data, tmp_path)], interrupt)
+    assert code == 1, out[-4000:]
+    said = re.search(r"stopped by SIGINT after step \d+, checkpoint (\S+);", out)
+    assert said is not None, out[-4000:]
+    assert Path(said.group(1)).is_file()
+    assert "SignalException" in out[said.end() :]  # torchrun's traceback comes after it

@@ -1,0 +1,161 @@
+"""ddpkit.examples.seresnext_lmdb refuses early: a checkpoint of another model, a batch that
+does not divide, a directory holding another run."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ddpkit
+
+example = importlib.import_module("ddpkit.examples.seresnext_lmdb")
+ROOT = Path(__file__).resolve().parents[2]
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-epoch test_resnet run at 32 px on 3 shape classes; returns its data directory."""
+    from ddpkit.data.shapes import make_shapes_dataset
+
+    root = tmp_path_factory.mktemp("run")
+    dirs = make_shapes_dataset(root / "src", classes=3, train_per_class=4, val_per_class=2, size=32)
+    for split, source in zip(("train", "val"), dirs, strict=True):
+        ddpkit.build_lmdb(source, root / f"{split}.lmdb", progress=False)
+    example.run(example.parse_args(_flags(root, "--epochs", "1")))
+    return root
+
+
+def _flags(root: Path, *extra: str) -> list[str]:
+    return [
+        "--data",
+        str(root),
+        "--arch",
+        "test_resnet",
+        "--image-size",
+        "32",
+        "-b",
+        "4",
+        "-j",
+        "0",
+        "--checkpoints",
+        str(root / "ckpt"),
+        *extra,
+    ]
+
+
+def test_every_checkpoint_records_the_model(trained: Path) -> None:
+    for name in ("latest.pth",):
+        extra = ddpkit.load_checkpoint(trained / "ckpt" / name)["extra"]
+        assert extra == {"--arch": "test_resnet", "--num-classes": 3, "--image-size": 32}
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (["--arch", "test_efficientnet"], "trained with --arch test_resnet"),
+        (["--image-size", "48"], "trained with --image-size 32"),
+        (["--num-classes", "5"], "trained with --num-classes 3"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["evaluate newest", "evaluate best.pth", "resume"])
+def test_another_model_is_refused_before_loading(
+    trained: Path, change: list[str], said: str, mode: str
+) -> None:
+    flags = {
+        "evaluate newest": ["--evaluate"],
+        "evaluate best.pth": ["--evaluate", "--resume", str(trained / "ckpt" / "best.pth")],
+        "resume": ["--resume", "--epochs", "2"],
+    }[mode]
+    args = example.parse_args(_flags(trained, *flags))
+    for flag, value in zip(change[::2], change[1::2], strict=True):
+        setattr(args, flag[2:].replace("-", "_"), int(value) if value.isdigit() else value)
+    with pytest.raises(ddpkit.CheckpointError) as caught:
+        example.run(args)
+    message = str(caught.value)
+    assert said in message
+    assert "Missing key" not in message
+    assert "Unexpected key" not in message
+    assert "Pass " + said.split("with ")[1] in message
+    latest = ddpkit.load_checkpoint(trained / "ckpt" / "latest.pth")
+    assert latest["epoch"] == 0  # the refused resume trained and wrote nothing
+
+
+def test_the_right_model_still_evaluates(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    best = str(trained / "ckpt" / "best.pth")
+    metrics = example.run(example.parse_args(_flags(trained, "--evaluate", "--resume", best)))
+    assert metrics["samples"] == 6
+    assert f"evaluate {best}: acc1" in capsys.readouterr().out
+
+
+def test_a_fresh_run_over_a_finished_one_is_refused(trained: Path) -> None:
+    with pytest.raises(ddpkit.CheckpointError) as caught:
+        example.run(example.parse_args(_flags(trained, "--epochs", "1")))
+    assert "holds another run's checkpoints" in str(caught.value)
+    assert "--overwrite" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("batch", "nprocs", "choices"),
+    [("15", "2", "use -b 14 or -b 16"), ("1", "2", "use -b 2"), ("10", "4", "use -b 8 or -b 12")],
+)
+def test_a_batch_that_does_not_divide_is_refused_by_the_parser(
+    batch: str, nprocs: str, choices: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        example.parse_args(
+            ["--data", "d", "-b", batch, "--multiprocessing-distributed", "--nprocs", nprocs]
+        )
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert f"-b {batch} is not divisible by {nprocs} processes" in err
+    assert choices in err
+    example.parse_args(
+        ["--data", "d", "-b", "16", "--multiprocessing-distributed", "--nprocs", "2"]
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_that_does_not_divide_under_torchrun_fails_fast(tmp_path: Path) -> None:
+    # The ranks learn the world size from torchrun: they stop before building anything.
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        str(ROOT / "examples" / "seresnext_lmdb.py"),
+        "--data",
+        str(tmp_path),
+        "--arch",
+        "test_resnet",
+        "-b",
+        "15",
+        "--dist-backend",
+        "gloo",
+    ]
+    began = time.monotonic()
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=100)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert out.count("-b 15 is not divisible by 2 processes") == 1, out[-3000:]
+    assert "use -b 14 or -b 16" in out
+    assert "batch_size=7" not in out  # the loader's advice, in a flag the example lacks
+    assert "train.lmdb" not in out  # no dataset was opened (there is none here)
+    assert time.monotonic() - began < 90

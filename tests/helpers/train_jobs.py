@@ -1,0 +1,228 @@
+"""Models, data and jobs that the training tests run in other processes."""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, get_worker_info
+
+from ddpkit import (
+    CheckpointManager,
+    DistInfo,
+    FaultConfig,
+    ReportConfig,
+    TrainConfig,
+    build_loader,
+    evaluate,
+    fit,
+    load_checkpoint,
+    model_ema,
+    wrap_ddp,
+)
+
+
+class NoisyBlobs(Dataset[tuple[torch.Tensor, int]]):
+    """Learnable 3-class data with random augmentation drawn in the worker's RNGs."""
+
+    def __init__(self, n: int = 48, seed: int = 0, augment: bool = True) -> None:
+        self.augment = augment
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, 3, (n,), generator=g)
+        self.base = (
+            torch.randn(n, 8, generator=g) + 2.0 * nn.functional.one_hot(self.labels, 8).float()
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not self.augment:
+            return self.base[index], int(self.labels[index])
+        x = self.base[index] + 0.3 * torch.randn(8)  # the "augmentation"
+        if torch.rand(()) < 0.5:
+            x = x.flip(0)
+        return x, int(self.labels[index])
+
+
+def worker_start(dataset: Dataset[object]) -> str:
+    """How the training jobs start their DataLoader workers: from a forkserver.
+
+    ``fork`` copies a rank whose Gloo threads may be entering or leaving Python
+    at that very moment, which CPython 3.11 can answer with a child stuck inside
+    ``fork()`` for ever (a rare hang at the first batch). A forkserver forks
+    from a one-threaded server that imported torch and the dataset's module
+    once per rank (about 2 s), so each worker still starts in milliseconds.
+    """
+    preload = ["torch", "ddpkit", type(dataset).__module__]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    return "forkserver"
+
+
+def small_net() -> nn.Module:
+    """BatchNorm and dropout: both must be restored exactly on resume."""
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3)
+    )
+
+
+def train_run(
+    rank: int, world_size: int, directory: str, epochs: int, resume: bool
+) -> dict[str, torch.Tensor]:
+    """fit() on 2 ranks with 2 workers per rank; returns the final weights."""
+    torch.manual_seed(1234)  # the same initial weights on every rank
+    info = DistInfo(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", True)
+    model = wrap_ddp(small_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    torch.manual_seed(99 + rank)  # dropout masks differ per rank, as in a real job
+    data = NoisyBlobs()
+    loader = build_loader(
+        data,
+        batch_size=4,
+        train=True,
+        workers=2,
+        seed=5,
+        info=info,
+        multiprocessing_context=worker_start(data),
+    )
+    fit(
+        model,
+        loader,
+        optimizer,
+        criterion=nn.CrossEntropyLoss(),
+        epochs=epochs,
+        scheduler=scheduler,
+        checkpoints=CheckpointManager(directory, prefix="tiny"),
+        resume=resume,
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(progress=False),
+    )
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+class SlowStart(Dataset[tuple[torch.Tensor, int]]):
+    """NoisyBlobs whose every worker takes ``delay`` s to start, and which can hang for good.
+
+    A worker unpickles its dataset first thing (from a forkserver as from
+    ``spawn``): ``__setstate__`` stands for a slow import (``spawn`` importing
+    torch), a network mount or a ``worker_init_fn``. In the worker
+    ``hang_worker``, reads after its first batch (``hang_after`` reads) never
+    return (a stuck file system): every worker started before the hang.
+    """
+
+    def __init__(
+        self, delay: float, n: int = 48, hang_worker: int | None = None, hang_after: int = 4
+    ) -> None:
+        self.inner, self.delay, self.hang_worker = NoisyBlobs(n), delay, hang_worker
+        self.hang_after, self.reads = hang_after, 0
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        time.sleep(state["delay"])  # type: ignore[arg-type]
+        self.__dict__.update(state)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        worker = get_worker_info()
+        self.reads += 1
+        if worker is not None and worker.id == self.hang_worker and self.reads > self.hang_after:
+            threading.Event().wait()
+        return self.inner[index]
+
+
+def slow_workers_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
+    """fit() with the hang watchdog on, train and validation workers that start slowly.
+
+    ``plan``: ``hang_timeout``, ``delay`` (each worker's start, s), ``persistent``,
+    ``epochs``, ``hang_val`` (a rank whose validation data hangs after its first batch).
+    """
+    faulthandler.dump_traceback_later(130, exit=True)  # below the test's limit
+    torch.manual_seed(1234)
+    info = DistInfo(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", True)
+    model = wrap_ddp(small_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    delay, persistent = plan["delay"], plan["persistent"]
+    hang = 1 if plan.get("hang_val") == rank else None  # the worker of batches 2, 4, ...
+    # From a forkserver that preloaded torch, a worker's start costs its ``delay`` alone.
+    datasets = [SlowStart(delay, 16), SlowStart(delay, 32, hang, hang_after=4)]
+    start = worker_start(datasets[0])
+    loaders = [
+        build_loader(
+            dataset,
+            batch_size=4,
+            train=train,
+            workers=2,
+            seed=5,
+            info=info,
+            persistent_workers=persistent,
+            multiprocessing_context=start,
+        )
+        for dataset, train in zip(datasets, (True, False), strict=True)
+    ]
+    history = fit(
+        model,
+        loaders[0],
+        optimizer,
+        criterion=nn.CrossEntropyLoss(),
+        epochs=plan["epochs"],
+        val_loader=loaders[1],
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(progress=False),
+        faults=FaultConfig(hang_timeout=plan["hang_timeout"]),
+    )
+    return {"epochs": [r["epoch"] for r in history.records]}
+
+
+def bn_net() -> nn.Module:
+    """BatchNorm without dropout: what a rank validates is a function of its weights and buffers."""
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def validated_run(rank: int, world_size: int, directory: str, ema: bool) -> dict[str, object]:
+    """fit() with validation on plain BatchNorm (no SyncBN on CPU): figures and files to compare.
+
+    Each rank trains on its own share of the data, so its BatchNorm running
+    statistics differ from the others'. Returns the history's figures, what
+    ``evaluate`` gives after ``fit`` on these ranks, and what it gives on these
+    ranks for the epoch's weight files and ``best.pth`` loaded into a fresh model.
+    """
+    torch.manual_seed(1234)
+    info = DistInfo(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", True)
+    model = wrap_ddp(bn_net())
+    average = model_ema(model, decay=0.5) if ema else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    train = build_loader(
+        NoisyBlobs(n=60, seed=1), batch_size=3, train=True, workers=0, seed=5, info=info
+    )
+    val = build_loader(
+        NoisyBlobs(n=37, seed=2, augment=False), batch_size=4, train=False, workers=0, info=info
+    )
+    criterion = nn.CrossEntropyLoss()
+    history = fit(
+        model,
+        train,
+        optimizer,
+        criterion=criterion,
+        epochs=2,
+        val_loader=val,
+        ema=average,
+        checkpoints=CheckpointManager(directory, prefix="bn"),
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(progress=False),
+    )
+    after = evaluate(model, val, criterion=criterion, normalize=None)
+    files: dict[str, dict[str, float]] = {}
+    for path in sorted(Path(directory).glob("*.pth")):
+        if path.name.startswith("bn-") or path.name == "best.pth":
+            fresh = bn_net()
+            fresh.load_state_dict(load_checkpoint(path))
+            files[path.name] = evaluate(fresh, val, criterion=criterion, normalize=None)
+    return {"records": history.records, "after": after, "files": files}
