@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from ddpkit import _graveyard
-from ddpkit._numbers import positive_seconds
 from ddpkit.checkpoint.background import BackgroundWriter, snapshot
+from ddpkit.checkpoint.cadence import SaveCadence
 from ddpkit.checkpoint.files import FORMAT, INTERRUPTED, LATEST, VERSION, step_name, write_files
 from ddpkit.checkpoint.serialization import MapLocation, check_saveable
 from ddpkit.checkpoint.state import TrainingState
@@ -78,7 +78,8 @@ class CheckpointManager:
         every_steps: ``ddpkit.fit`` saves a step checkpoint every this many
             optimizer steps; None: only at epoch ends.
         every_minutes: ``ddpkit.fit`` also saves when this many minutes passed
-            since the last save; None: never by time.
+            since the last save; None: never by time. Both are held as
+            ``cadence`` (:class:`~ddpkit.checkpoint.cadence.SaveCadence`).
         on_each_node: the first rank of each node writes its own copy.
         overwrite: a fresh run deletes another run's files in ``directory``; False: refuse.
         extra: stored in every checkpoint (under a save's own ``extra``), e.g. the
@@ -87,6 +88,7 @@ class CheckpointManager:
         network: the former name of ``prefix`` (deprecated).
 
     Attributes:
+        cadence: when ``fit`` takes a step checkpoint (``every_steps``, ``every_minutes``).
         best_acc1: the best ``acc1`` saved so far (restored by :meth:`resume`), or None.
         position: where the resumed checkpoint stood (:meth:`resume`), or None.
         resumed_from: the file :meth:`resume` loaded (on the rank that read it), or None.
@@ -120,21 +122,14 @@ class CheckpointManager:
         if network is not None:
             _graveyard.deprecated("CheckpointManager(network=...)", "prefix=...")
             prefix = network
-        for name, count in (
-            ("keep_last", keep_last),
-            ("keep_steps", keep_steps),
-            ("every_steps", every_steps),
-        ):
-            if count is not None and (type(count) is not int or count < 1):
+        for name, count in (("keep_last", keep_last), ("keep_steps", keep_steps)):
+            if type(count) is not int or count < 1:
                 raise ValueError(f"{name} must be at least 1, got {count!r}")
-        minutes = None if every_minutes is None else positive_seconds(every_minutes)
-        if every_minutes is not None and minutes is None:
-            raise ValueError(f"every_minutes must be > 0 or None, got {every_minutes!r}")
+        self.cadence = SaveCadence(every_steps=every_steps, every_minutes=every_minutes)
         if not prefix or "/" in prefix or os.sep in prefix:
             raise ValueError(f"prefix must be a file name prefix without '/', got {prefix!r}")
         self.directory = Path(directory)
         self.prefix, self.keep_last, self.keep_steps = prefix, keep_last, keep_steps
-        self.every_steps, self.every_minutes = every_steps, minutes
         self.on_each_node, self.overwrite = on_each_node, overwrite
         self.extra = dict(check_saveable(dict(extra or {})))
         self.state: TrainingState | None = None
@@ -155,9 +150,15 @@ class CheckpointManager:
         # The host copy of the last background save, written into by the next one.
         self._spare: Any = None
 
-    def step_due(self, step: int) -> bool:
-        """Whether ``every_steps`` asks for a step checkpoint after optimizer step ``step``."""
-        return self.every_steps is not None and step > 0 and step % self.every_steps == 0
+    @property
+    def every_steps(self) -> int | None:
+        """``cadence.every_steps``: a step checkpoint every this many optimizer steps."""
+        return self.cadence.every_steps
+
+    @property
+    def every_minutes(self) -> float | None:
+        """``cadence.every_minutes``: a step checkpoint when this many minutes passed."""
+        return self.cadence.every_minutes
 
     @property
     def write_error(self) -> BaseException | None:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from ddpkit.distributed.comm import all_reduce_sum
 
@@ -25,6 +25,7 @@ __all__ = [
     "HANG_EXIT_CODE",
     "PREEMPTED_EXIT_CODE",
     "Actions",
+    "Cadence",
     "HangStopped",
     "Preempted",
     "SignalStopped",
@@ -113,6 +114,18 @@ class SignalStopped(SystemExit):
         return SignalStopped, (int(self.code) - 128,)  # type: ignore[arg-type]
 
 
+class Cadence(Protocol):
+    """What :class:`StepControl` asks of a save cadence (``SaveCadence`` has it)."""
+
+    def step_due(self, step: int) -> bool:
+        """Whether to save after optimizer step ``step``; the same answer on every rank."""
+        ...
+
+    def time_due(self, seconds_since_save: float) -> bool:
+        """Whether to save this long after the last save; asked on rank 0 only."""
+        ...
+
+
 @dataclass(frozen=True)
 class Stop:
     """Why the ranks stop: a signal, or an error one rank met (a failed checkpoint write)."""
@@ -152,8 +165,11 @@ class StepControl:
         store: the c10d store every rank shares, under a prefix of this run.
         rank: this rank.
         world_size: ranks in the job.
-        save_every_minutes: rank 0 asks for a save when this much time has
-            passed since the last save (:meth:`saved`); None: never.
+        cadence: when to save between steps (a
+            :class:`~ddpkit.checkpoint.cadence.SaveCadence`, or anything with its
+            two methods, :class:`Cadence`): ``step_due(step)`` is decided by
+            every rank alone, ``time_due(seconds)`` on rank 0's clock and agreed
+            through the store. None: no saves between steps but a stop's.
     """
 
     def __init__(
@@ -163,12 +179,12 @@ class StepControl:
         store: Any = None,
         rank: int = 0,
         world_size: int = 1,
-        save_every_minutes: float | None = None,
+        cadence: Cadence | None = None,
     ) -> None:
         self._signals = [_signal_number(s) for s in signals]
         self._store: Any = store if world_size > 1 else None
         self._rank = rank
-        self._interval = None if save_every_minutes is None else save_every_minutes * 60.0
+        self._cadence = cadence
         self._last_save = time.monotonic()
         self._previous: dict[int, Any] = {}
         self._signal: str | None = None
@@ -214,25 +230,28 @@ class StepControl:
         self._last_save = time.monotonic()
 
     def after_step(self, step: int) -> Actions:
-        """Call on every rank after optimizer step ``step`` (1, 2, ... over the run)."""
+        """Call on every rank after optimizer step ``step`` (1, 2, ... over the run).
+
+        Every save between two steps is decided here: the cadence's steps, its
+        minutes (agreed), and the stop a signal or a failed write asks for.
+        """
+        counted = self._cadence is not None and self._cadence.step_due(step)
         if self._store is None:
-            due = (
-                self._interval is not None and time.monotonic() - self._last_save >= self._interval
-            )
-            return Actions(save=due, stop=self.requested)
+            return Actions(save=counted or self._time_due(), stop=self.requested)
         mine = self.requested
         if mine is not None and not self._posted:
             self._post(f"stop|{step + 1}|{mine.kind}|{mine.detail}")
             self._posted = True
-        if (
-            self._rank == 0
-            and self._interval is not None
-            and time.monotonic() - self._last_save >= self._interval
-        ):
+        if self._rank == 0 and self._time_due():
             self._post(f"save|{step + 1}")
             self._last_save = time.monotonic()  # asked once; saved() counts from the save
         self._read()
-        return Actions(save=step in self._saves, stop=self._stop_now(step))
+        return Actions(save=counted or step in self._saves, stop=self._stop_now(step))
+
+    def _time_due(self) -> bool:
+        return self._cadence is not None and self._cadence.time_due(
+            time.monotonic() - self._last_save
+        )
 
     def stop_at_epoch_end(self) -> Stop | None:
         """Whether any rank wants to stop now, at an epoch's end. All ranks must call this.

@@ -2,9 +2,12 @@
 
 When one rank stalls (a data loader hangs, NFS is stuck, a deadlock) the others
 wait in the next collective for its timeout, 30 minutes by default, and nothing
-says which rank stopped. Here a daemon thread on every rank publishes what the
-loop last reported to :meth:`HangWatchdog.progress`; rank 0's thread compares
-them, names the ranks furthest behind, and every rank logs the stacks of all
+says which rank stopped. Here a daemon thread on every rank runs a
+:class:`~ddpkit.distributed.heartbeat.Heartbeat`, which publishes what the
+loop last reported to :meth:`HangWatchdog.progress`; on rank 0 it also runs the
+:class:`~ddpkit.distributed.heartbeat.Judge`, which compares them and names
+the ranks furthest behind (``heartbeat`` holds the two and their contract).
+This module owns the thread and the ending: every rank logs the stacks of all
 its threads and exits with ``HANG_EXIT_CODE`` (124) for a launcher to restart.
 Heartbeats go through the c10d store on the watchdog's own connection, never a
 collective (which can hang too), each call bounded by ``BoundedCalls``.
@@ -16,7 +19,6 @@ import atexit
 import contextlib
 import faulthandler
 import functools
-import json
 import logging
 import math
 import os
@@ -34,6 +36,7 @@ from ddpkit._numbers import positive_seconds
 from ddpkit.distributed.child import note_exit
 from ddpkit.distributed.comm import get_rank, get_world_size, is_dist_initialized
 from ddpkit.distributed.deadline import BoundedCalls, DeadlinePassed
+from ddpkit.distributed.heartbeat import UNTIMED_PHASES, Heartbeat, Judge, where
 from ddpkit.distributed.stops import HANG_EXIT_CODE
 
 __all__ = ["UNTIMED_PHASES", "HangWatchdog", "format_stacks"]
@@ -41,27 +44,6 @@ __all__ = ["UNTIMED_PHASES", "HangWatchdog", "format_stacks"]
 logger = logging.getLogger("ddpkit")
 _monotonic = time.monotonic
 
-# The phases in the order the loop passes them within one step number:
-# progress(k, "done") ends step k - 1, so it comes before the data for step k.
-_PHASES = {
-    "start": "before its first progress report",
-    "done": "between steps",
-    "start_val_data": "starting workers for validation data",
-    "val_data": "waiting for validation data",
-    "end_val_data": "stopping the workers of validation data",
-    "validate": "in validation",
-    "save": "saving a checkpoint",
-    "start_data": "starting workers for training data",
-    "data": "waiting for training data",
-    "end_data": "stopping the workers of training data",
-    "compute": "in compute",
-}
-_ORDER = {name: i for i, name in enumerate(_PHASES)}
-# Never timed: a loader starting its workers (importing torch in each, a spawn or
-# forkserver start, the user's worker_init_fn) or joining them (DataLoader bounds
-# that) takes as long as it takes. While any rank is in one, the others (which soon
-# wait for it in a collective) are not timed either.
-UNTIMED_PHASES = frozenset({"start", "start_data", "start_val_data", "end_data", "end_val_data"})
 # The budget, with T = timeout, I = interval <= 5 s, C = _CALL_S and ticks I + C apart:
 # rank 0 decides by T + 2(I + C) = T + 14, the ranks are out by T + 26, rank 0 (which
 # waits for them) by T + 28; a rank on its own (T + 2I + 5 silence) is out by T + 27.
@@ -153,17 +135,10 @@ class HangWatchdog:
         self.timeout, self.interval = seconds, every
         self._prefix, self._exit = prefix, _exit
         self._base, self._rank, self._world = store, rank, world_size
-        self._last: tuple[int, str, float] = (0, "start", _monotonic())
-        self._armed = False
+        self._heartbeat = Heartbeat(rank or 0)
+        self._judge: Judge | None = None  # rank 0's, made by start()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stamps: dict[int, float] = {}  # rank 0: each rank's last progress stamp ...
-        self._since: dict[int, float] = {}  # ... and when, on rank 0's clock, it was made
-        self._heard: list[int] = []  # rank 0: the other ranks that sent heartbeats
-        # When some rank was last seen in an untimed phase, on this rank's clock: rank 0
-        # sees the heartbeats, the others a count of the heartbeats rank 0 held.
-        self._held_at = -math.inf
-        self._holds = 0
 
     def progress(self, step: int, phase: str) -> None:
         """Record that this rank reached ``phase`` of ``step``; cheap enough for every batch.
@@ -180,9 +155,7 @@ class HangWatchdog:
         Example:
             >>> watchdog.progress(step + 1, "done")
         """
-        self._last = (step, phase, _monotonic())
-        if phase == "done":
-            self._armed = True
+        self._heartbeat.progress(step, phase)
 
     def start(self) -> HangWatchdog:
         """Start the watchdog thread and return the watchdog.
@@ -197,6 +170,9 @@ class HangWatchdog:
                 self._base = dist.distributed_c10d._get_default_store()
             self._rank = get_rank() if self._rank is None else self._rank
             self._world = get_world_size() if self._world is None else self._world
+        self._heartbeat.rank = self._rank or 0
+        if self._base is not None and not self._rank:
+            self._judge = Judge(self._world or 1, self.timeout)
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -226,7 +202,7 @@ class HangWatchdog:
         wait = 0.0  # the first heartbeat at once: it replaces an earlier run's
         while not self._stop.wait(wait):
             wait = self.interval
-            step, phase, stamp = self._last
+            step, phase, stamp = self._heartbeat.last
             if calls is not None and not lost:
                 calls.deadline = _monotonic() + _CALL_S
                 try:
@@ -240,16 +216,17 @@ class HangWatchdog:
                 if lost:
                     logger.warning("hang watchdog: rank %s lost the store (%s)", self._rank, lost)
             # A rank waiting for another that starts its workers: its clock is held too.
-            idle = _monotonic() - max(stamp, self._held_at if not lost else -math.inf)
+            held_at = self._heartbeat.held_at if not lost else -math.inf
+            idle = _monotonic() - max(stamp, held_at)
             limit = self.timeout if calls is None or lost else self.timeout + 2 * wait + 5
-            if self._armed and phase not in UNTIMED_PHASES and idle > limit:
-                self._finish(self._alone(idle, _where(step, phase), calls is not None, lost, limit))
+            if self._heartbeat.timed(phase) and idle > limit:
+                self._finish(self._alone(idle, where(step, phase), calls is not None, lost, limit))
                 return
         if calls is not None:
             if store is not None and not lost:  # or rank 0 takes this finished rank for hung
                 calls.deadline = _monotonic() + _CALL_S
                 with contextlib.suppress(DeadlinePassed, RuntimeError):
-                    calls(store.set, f"hb/{self._rank}", json.dumps({"stopped": True}))
+                    self._heartbeat.sign_off(store, calls)
             calls.close()
 
     def _alone(self, idle: float, where: str, grouped: bool, lost: str, limit: float) -> str:
@@ -272,53 +249,24 @@ class HangWatchdog:
     def _exchange(
         self, store: Any, calls: BoundedCalls, step: int, phase: str, stamp: float
     ) -> bool:
-        """Publish the heartbeat; obey rank 0's verdict or, on rank 0, make it. True: exited."""
-        armed = self._armed and phase not in UNTIMED_PHASES
-        beat = {"step": step, "phase": phase, "stamp": stamp, "armed": armed}
-        calls(store.set, f"hb/{self._rank}", json.dumps({**beat, "idle": _monotonic() - stamp}))
-        if calls(store.check, ["hang"]):
-            verdict = calls(store.get, "hang").decode().removeprefix("hang watchdog: ")
-            here = f"rank {self._rank} stops {_where(step, phase)}"
-            self._finish(f"hang watchdog: {here}, on rank 0's verdict: {verdict}", store, calls)
-            return True
-        if self._rank != 0:
-            holds = int(calls(store.add, "held", 0))
-            if holds != self._holds:
-                self._holds, self._held_at = holds, _monotonic()
-        verdict = self._judge(store, calls) if self._rank == 0 else None
+        """One round: publish the heartbeat; obey the verdict or, on rank 0, judge. True: exited."""
+        heartbeat, judge = self._heartbeat, self._judge
+        heartbeat.publish(store, calls, step, phase, stamp)
+        verdict = heartbeat.verdict(store, calls)
         if verdict is not None:
-            calls(store.set, "hang", verdict)
+            here = f"rank {self._rank} stops {where(step, phase)}"
+            said = verdict.removeprefix("hang watchdog: ")
+            self._finish(f"hang watchdog: {here}, on rank 0's verdict: {said}", store, calls)
+            return True
+        if judge is None:
+            heartbeat.follow_holds(store, calls)
+            return False
+        verdict = judge.judge(store, calls)
+        heartbeat.held_at = judge.held_at  # rank 0's own clock is held with the others'
+        if verdict is not None:
+            judge.post(store, calls, verdict)
             self._finish(verdict, store, calls)
         return verdict is not None
-
-    def _judge(self, store: Any, calls: BoundedCalls) -> str | None:
-        """On rank 0: the verdict, once an armed rank has made no progress for ``timeout``."""
-        assert self._world is not None
-        keys = [f"hb/{r}" for r in range(self._world)]
-        if calls(store.check, keys):
-            values = calls(store.multi_get, keys)
-        else:  # a rank has not started yet, and multi_get would wait for its key
-            values = [calls(store.get, k) if calls(store.check, [k]) else None for k in keys]
-        now = _monotonic()
-        beats: dict[int, dict[str, Any]] = {}
-        for r, value in enumerate(values):
-            if value is None or (beat := json.loads(value)).get("stopped"):
-                continue
-            beats[r] = beat
-            # Published ``idle`` s after the progress and read later: never before the truth.
-            since = now - beat["idle"]
-            if beat["stamp"] != self._stamps.get(r):
-                self._stamps[r], self._since[r] = beat["stamp"], since
-            self._since[r] = min(self._since[r], since)
-        self._heard = [r for r in beats if r != 0]
-        if any(b["phase"] in UNTIMED_PHASES for b in beats.values()):
-            self._held_at = now
-            calls(store.add, "held", 1)  # the other ranks hold their own clocks too
-        stale = max(
-            (now - max(self._since[r], self._held_at) for r, b in beats.items() if b["armed"]),
-            default=0.0,
-        )
-        return _verdict(beats, self._world, stale, self.timeout) if stale > self.timeout else None
 
     def _finish(self, message: str, store: Any = None, calls: BoundedCalls | None = None) -> None:
         """Log ``message`` and the stacks, answer through the store, end the process."""
@@ -330,7 +278,8 @@ class HangWatchdog:
         # interval), so that none exits, breaking its peers' collectives, before every
         # rank has begun its own exit with status 124.
         others = [r for r in range(1, self._world or 1) if r != rank]
-        waits = calls is not None and bool(self._heard if rank == 0 else others)
+        heard = self._judge.heard if self._judge is not None else []
+        waits = calls is not None and bool(heard if rank == 0 else others)
         grace = self.interval + 2 * _CALL_S if waits else _CALL_S
         # Logging can block for good (a full pipe, a lock the stuck thread holds): exit anyway.
         backstop = threading.Timer(_DUMP_S + grace, self._exit, (HANG_EXIT_CODE,))
@@ -355,9 +304,9 @@ class HangWatchdog:
             calls.deadline = _monotonic() + grace
             with contextlib.suppress(DeadlinePassed, RuntimeError):
                 if rank != 0:
-                    calls(store.set, f"ack/{rank}", "1")
+                    self._heartbeat.acknowledge(store, calls)
                 if waits:
-                    acks = [f"ack/{r}" for r in (self._heard if rank == 0 else others)]
+                    acks = [f"ack/{r}" for r in (heard if rank == 0 else others)]
                     calls(store.wait, acks, timedelta(seconds=grace))
         if not self._stop.is_set():
             self._exit(HANG_EXIT_CODE)
@@ -371,42 +320,3 @@ def _hold_exit(ending: threading.Event, limit: float, exit: Callable[[int], obje
     """At interpreter exit during a hang verdict: wait for the watchdog to end the process."""
     if not ending.wait(limit):
         exit(HANG_EXIT_CODE)
-
-
-def _verdict(beats: dict[int, dict[str, Any]], world: int, idle: float, timeout: float) -> str:
-    def point(r: int) -> tuple[int, int]:
-        return beats[r]["step"], _ORDER.get(beats[r]["phase"], len(_ORDER))
-
-    def at(r: int) -> str:
-        return _where(beats[r]["step"], beats[r]["phase"])
-
-    missing = [r for r in range(world) if r not in beats]
-    lowest = min(map(point, beats))
-    behind = [r for r in beats if not missing and point(r) == lowest]
-    places: dict[tuple[int, int], list[int]] = {}
-    for r in sorted(set(beats) - set(behind)):
-        places.setdefault(point(r), []).append(r)
-    if missing:
-        what = f"rank(s) {_ranks(missing)} never sent a heartbeat (watchdog not started)"
-    elif places:
-        what = f"rank(s) {_ranks(behind)} stopped {at(behind[0])}"
-    else:
-        what = f"all ranks stopped {at(behind[0])}, none behind another: they all wait in one "
-        what += "operation (a collective or a lock) that never completes"
-    if places:
-        what += "; the others wait for them: "
-        what += "; ".join(f"rank(s) {_ranks(rs)} {at(rs[0])}" for rs in places.values())
-    return (
-        f"hang watchdog: no progress for {idle:.1f} s (timeout {timeout:g} s); {what}. Each "
-        f"rank writes its Python stacks to its log; exiting with status {HANG_EXIT_CODE} so "
-        "that a launcher (torchrun --max-restarts) can restart the job."
-    )
-
-
-def _where(step: int, phase: str) -> str:
-    return f"at step {step} ({_PHASES.get(phase, phase)})"
-
-
-def _ranks(ranks: list[int]) -> str:
-    shown = ", ".join(map(str, ranks[:16]))
-    return shown if len(ranks) <= 16 else f"{shown}, ... ({len(ranks)} in all)"

@@ -3,9 +3,10 @@
 Every option of :func:`ddpkit.fit` beyond its arguments lives here, in
 frozen, keyword-only dataclasses validated when they are made: a bad value
 is a ``ValueError`` naming it at once, not an error an hour into training.
-Each field carries its own docstring. How often checkpoints are taken is the
-``CheckpointManager``'s (``every_steps``, ``every_minutes``), which owns the
-files it writes.
+Each field carries its own docstring. How often step checkpoints are taken
+is :class:`SaveCadence`, the fourth of them: it is defined beside the
+``CheckpointManager`` that holds it (``every_steps``, ``every_minutes``; the
+checkpoint package may not import this one) and is re-exported here.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from ddpkit._numbers import positive_seconds
+from ddpkit.checkpoint.cadence import SaveCadence
 from ddpkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ddpkit.distributed.stops import StepControl
 from ddpkit.training.evaluation import AMP_DTYPES, Amp, Normalize
 
-__all__ = ["FaultConfig", "ReportConfig", "TrainConfig"]
+__all__ = ["FaultConfig", "ReportConfig", "SaveCadence", "TrainConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -385,7 +385,7 @@ def _between_steps(
     if actions.stop is not None:
         stop_now(run, actions.stop, position, totals())
     # The epoch's own checkpoint follows its last step: no step checkpoint there.
-    if manager is not None and not last and (actions.save or manager.step_due(run.step)):
+    if manager is not None and not last and actions.save:
         run.tick("save")
         manager.save_step(position, loop=totals(), block=False)
         run.control.saved()

@@ -207,13 +207,12 @@ def fit(
         claim_directory(dest, writes=writes, overwrite=checkpoints.overwrite)
     history = History()
     store = _control_store(world, rank)
-    interval = checkpoints.every_minutes if checkpoints is not None else None
-    control = StepControl(
+    control = StepControl(  # decides every save between steps, and every stop
         signals=faults.stop_signals,
         store=store,
         rank=rank,
         world_size=world,
-        save_every_minutes=interval,
+        cadence=checkpoints.cadence if checkpoints is not None else None,
     )
     with contextlib.ExitStack() as stack:
         stack.enter_context(control)

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import PREEMPTED_EXIT_CODE, Preempted
+from ddpkit.checkpoint.cadence import SaveCadence
 from ddpkit.distributed.stops import StepControl, Stop
 from ddpkit.testing import run_distributed
 
@@ -69,9 +70,15 @@ def test_bad_signal_names_are_refused() -> None:
 
 
 def test_timed_saves_on_one_process() -> None:
-    assert StepControl(save_every_minutes=10).after_step(1).save is False
-    control = StepControl(save_every_minutes=1e-9)
+    assert StepControl(cadence=SaveCadence(every_minutes=10)).after_step(1).save is False
+    control = StepControl(cadence=SaveCadence(every_minutes=1e-9))
     assert control.after_step(1).save is True
+
+
+def test_counted_saves_are_decided_by_each_rank_alone() -> None:
+    control = StepControl(cadence=SaveCadence(every_steps=3))
+    assert [s for s in range(1, 10) if control.after_step(s).save] == [3, 6, 9]
+    assert StepControl().after_step(3).save is False
 
 
 def test_preempted_is_a_system_exit_with_status_75() -> None:
@@ -86,7 +93,7 @@ def _lockstep(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any
     store = dist.PrefixStore("test/", dist.distributed_c10d._get_default_store())
     control = StepControl(
         signals=["SIGTERM", "SIGUSR1"], store=store, rank=rank, world_size=world_size,
-        save_every_minutes=plan.get("minutes"),
+        cadence=SaveCadence(every_minutes=plan.get("minutes"), every_steps=plan.get("steps")),
     )  # fmt: skip
     saves, stop_step, stop = [], None, None
     with control:
@@ -134,9 +141,10 @@ def test_every_rank_stops_after_the_same_step(plan: dict[str, Any]) -> None:
 
 
 def test_timed_saves_happen_at_the_same_step_on_every_rank() -> None:
-    plan = {"minutes": 0.5 / 60_000, "signal": {0: 60}}  # due every 0.5 ms: most steps
+    plan = {"minutes": 0.5 / 60_000, "steps": 7, "signal": {0: 60}}  # 0.5 ms: most steps
     results = run_distributed(_lockstep, 3, args=(plan,), init="file", timeout=120)
     assert results[0]["saves"], results
+    assert {7, 14, 21, 28, 35, 42, 49, 56} <= set(results[0]["saves"])  # the counted ones too
     assert all(r["saves"] == results[0]["saves"] for r in results)
     assert len({r["step"] for r in results}) == 1
 
