@@ -11,6 +11,9 @@ import pytest
 # Keep each rank to one intra-op thread: the CI machine has two cores and the
 # tests run several ranks at once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ranks of run_distributed fork from a server that imported torch once, not each
+# importing it (seconds each); tests/test_testing.py covers both start methods.
+os.environ.setdefault("DDPKIT_TEST_START_METHOD", "forkserver")
 
 # tests/helpers holds the job functions and fixtures that test files, spawned
 # ranks and child interpreters import by name: on sys.path here, on PYTHONPATH

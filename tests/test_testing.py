@@ -63,7 +63,7 @@ def _sleep_forever_on_rank_one(rank: int, world_size: int) -> int:
 
 
 def test_timeout_kills_and_names_stuck_rank(capfd: pytest.CaptureFixture[str]) -> None:
-    timeout = 20.0  # room for the healthy rank to start even on a loaded machine
+    timeout = 8.0  # room for the healthy rank to start even on a loaded machine
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"rank\(s\) 1\. Their Python stacks") as info:
         run_distributed(_sleep_forever_on_rank_one, 2, timeout=timeout)
@@ -126,6 +126,7 @@ def test_concurrent_runs_do_not_collide() -> None:
         ({"world_size": 0}, "world_size must be at least 1"),
         ({"world_size": 2, "init": "env"}, "init must be 'file', 'tcp' or None"),
         ({"world_size": 2, "timeout": 0}, "timeout must be positive"),
+        ({"world_size": 2, "start_method": "fork"}, "start_method .* 'spawn' or 'forkserver'"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
@@ -152,3 +153,38 @@ def _tensor_result(rank: int, world_size: int) -> torch.Tensor:
 def test_tensors_come_back_after_the_ranks_exit() -> None:
     out = run_distributed(_tensor_result, 2, timeout=60)
     assert [float(t.sum()) for t in out] == [0.0, 1000.0]
+
+
+def _started(rank: int, world_size: int) -> tuple[str | None, str | None, int]:
+    import multiprocessing
+
+    return (
+        multiprocessing.current_process().name,
+        os.environ.get("DDPKIT_TEST_LATE"),
+        os.getppid(),
+    )
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_each_start_method_gives_the_callers_environment_of_the_moment(
+    start_method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_distributed(_tagged_sum, 1, args=(0,), start_method=start_method)  # a server, if any, runs
+    monkeypatch.setenv("DDPKIT_TEST_LATE", start_method)  # set after the server started
+    out = run_distributed(_started, 2, start_method=start_method)  # type: ignore[arg-type]
+    assert [(name, late) for name, late, _ in out] == [
+        ("ddpkit-rank0", start_method),
+        ("ddpkit-rank1", start_method),
+    ]
+    parents = {parent for _, _, parent in out}
+    assert (parents == {os.getpid()}) is (start_method == "spawn")  # forkserver: its server
+
+
+def test_the_environment_variable_chooses_the_start_method(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DDPKIT_TEST_START_METHOD", "spawn")
+    assert {parent for *_, parent in run_distributed(_started, 2)} == {os.getpid()}
+    monkeypatch.setenv("DDPKIT_TEST_START_METHOD", "vfork")
+    with pytest.raises(ValueError, match=r"DDPKIT_TEST_START_METHOD.*got 'vfork'"):
+        run_distributed(_started, 2)

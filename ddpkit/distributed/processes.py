@@ -129,6 +129,69 @@ def _failure_report(index: int, message: str) -> _Report:
     return (index, "error", message, traceback.format_exc(), time.time())
 
 
+StartMethod = Literal["spawn", "forkserver"]
+
+# What a forkserver imports once, so that each process forked from it starts in a
+# fraction of a second instead of importing torch and torchvision (seconds) on its own.
+FORKSERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torchvision",
+    "ddpkit.testing",
+    "ddpkit.distributed",
+    "ddpkit.checkpoint",
+    "ddpkit.data",
+    "ddpkit.training",
+)
+
+
+def start_forkserver(ctx: Any) -> None:
+    """Start ``ctx``'s forkserver with :data:`FORKSERVER_PRELOAD` imported, and wait for it.
+
+    The forkserver is one per process and keeps the modules it started with
+    (an earlier user may have started it with others). The first call waits for
+    one process forked from it, so that a run's timeout does not count the
+    server's imports.
+    """
+    global _forkserver_ready
+    if _forkserver_ready:
+        return
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    probe = ctx.Process(target=_nothing, name="ddpkit-forkserver-probe", daemon=True)
+    probe.start()
+    probe.join()
+    _forkserver_ready = True
+
+
+_forkserver_ready = False
+
+
+def _nothing() -> None:
+    pass
+
+
+class _Stdio:
+    """The starting process's descriptors 1 and 2 of the moment, for a forked child to take.
+
+    A spawned child inherits them at its start; one forked by a forkserver would
+    write to whatever the server inherited when it started (under pytest, the
+    capture file of an earlier test). Pickled only while a process starts, when
+    multiprocessing passes the descriptors along.
+    """
+
+    def __init__(self, fds: tuple[Any, ...] = ()) -> None:
+        self.fds = fds
+
+    def __reduce__(self) -> tuple[type[_Stdio], tuple[tuple[Any, ...]]]:
+        return _Stdio, (tuple(mp.reduction.DupFd(fd) for fd in (1, 2)),)
+
+    def take(self) -> None:
+        for target, dup in zip((1, 2), self.fds, strict=True):
+            fd = dup.detach()
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 def _child_entry(
     target: Callable[..., Any],
     index: int,
@@ -138,14 +201,20 @@ def _child_entry(
     stop_types: tuple[type[BaseException], ...],
     sigmask: set[signal.Signals] | None,
     notes: str,
+    stdio: _Stdio | None = None,
 ) -> None:
+    if stdio is not None:
+        stdio.take()
     write_notes_to(notes, index)
     if sigmask is not None:
         # A group of its own: a terminal's Ctrl-C reaches only the parent, which
         # forwards it. SIGINT was blocked from the fork until here (see _start).
         os.setpgid(0, 0)
         signal.pthread_sigmask(signal.SIG_SETMASK, sigmask)
-    die_with_parent(parent)  # a parent killed with SIGKILL must not leave its ranks running
+    # A parent killed with SIGKILL must not leave its ranks running. Forked by a
+    # forkserver (parent 0), this process's parent is that server, which ends
+    # with the process that started it.
+    die_with_parent(parent or os.getppid())
     with contextlib.suppress(AttributeError, RuntimeError, ValueError):
         faulthandler.register(_STACKS_SIGNAL, all_threads=True)  # see _collect's timeout
     report: _Report
@@ -189,6 +258,7 @@ def run_processes(
     timeout_hint: str = "",
     first_rank: int = 0,
     world_size: int | None = None,
+    start_method: StartMethod = "spawn",
 ) -> list[Any]:
     """Run ``target(index, *args)`` in ``nprocs`` spawned processes; return the results in order.
 
@@ -196,6 +266,8 @@ def run_processes(
     after terminating the other processes, and ``TimeoutError`` naming the
     unfinished ranks when ``timeout`` seconds pass. Messages call process
     ``index`` rank ``first_rank + index`` of ``world_size`` (default ``nprocs``).
+    ``start_method`` ``"forkserver"`` forks each process from a server that
+    imported :data:`FORKSERVER_PRELOAD` once (:func:`start_forkserver`).
     """
     outcome = run_and_collect(
         target,
@@ -207,6 +279,7 @@ def run_processes(
         timeout_hint=timeout_hint,
         first_rank=first_rank,
         world_size=world_size,
+        start_method=start_method,
     )
     if outcome.failure is not None:
         raise outcome.failure
@@ -229,6 +302,7 @@ def run_and_collect(
     stop_exit_codes: frozenset[int] = frozenset(),
     relay: Relay | None = None,
     own_process_groups: bool = False,
+    start_method: StartMethod = "spawn",
 ) -> Outcome:
     """:func:`run_processes`, returning what happened instead of raising the failure.
 
@@ -238,7 +312,13 @@ def run_and_collect(
     parent's process group first thing: a terminal's Ctrl-C reaches only the
     parent. Unfinished processes are killed before this returns.
     """
-    ctx = mp.get_context("spawn")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+    if start_method == "forkserver" and own_process_groups:
+        raise ValueError("own_process_groups needs start_method='spawn'")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        start_forkserver(ctx)
     results = ctx.Queue()
     notes = tempfile.mkdtemp(prefix="ddpkit-exit-notes-")
     processes: list[BaseProcess] = []
@@ -278,12 +358,14 @@ def _start(
     # it half-way through its imports: children inherit a mask that blocks SIGINT.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if blocking else None
     processes: list[BaseProcess] = []
+    spawned = ctx.get_start_method() == "spawn"
+    parent, stdio = (os.getpid(), None) if spawned else (0, _Stdio())  # 0: whoever forked it
     try:
         for index in range(nprocs):
             # Not daemonic: the children may start DataLoader workers of their own.
             p = ctx.Process(
                 target=_child_entry,
-                args=(target, index, tuple(args), results, os.getpid(), stop_types, mask, notes),
+                args=(target, index, tuple(args), results, parent, stop_types, mask, notes, stdio),
                 name=f"{name}{index}",
             )
             processes.append(p)
