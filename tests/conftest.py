@@ -71,6 +71,22 @@ _SERIAL = (
 )
 
 
+@pytest.fixture(autouse=True)
+def _forkserver_started(request: pytest.FixtureRequest) -> None:
+    """Start run_distributed's forkserver before a multi-process test's clock runs.
+
+    The first run in a pytest process would otherwise count the server's imports
+    (seconds, more on a busy machine) in the time a test measures.
+    """
+    serial = request.node.get_closest_marker("serial") is not None
+    if serial and os.environ.get("DDPKIT_TEST_START_METHOD") == "forkserver":
+        import multiprocessing
+
+        from ddpkit.distributed.processes import start_forkserver
+
+        start_forkserver(multiprocessing.get_context("forkserver"))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--slow", action="store_true", help="also run the tests marked slow (make test-all)"

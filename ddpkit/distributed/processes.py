@@ -28,6 +28,7 @@ import queue
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Collection, Sequence
@@ -154,16 +155,18 @@ def start_forkserver(ctx: Any) -> None:
     server's imports.
     """
     global _forkserver_ready
-    if _forkserver_ready:
-        return
-    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-    probe = ctx.Process(target=_nothing, name="ddpkit-forkserver-probe", daemon=True)
-    probe.start()
-    probe.join()
-    _forkserver_ready = True
+    with _forkserver_lock:  # runs may start from several threads at once
+        if _forkserver_ready:
+            return
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        probe = ctx.Process(target=_nothing, name="ddpkit-forkserver-probe", daemon=True)
+        probe.start()
+        probe.join()
+        _forkserver_ready = True
 
 
 _forkserver_ready = False
+_forkserver_lock = threading.Lock()
 
 
 def _nothing() -> None:
