@@ -147,7 +147,7 @@ def test_a_resumed_epoch_draws_the_unseen_rest_on_the_same_and_another_world() -
 
 
 def _keys_of(world: int, rank: int, start: Position | None) -> list[tuple[int, int, int]]:
-    """The (epoch, index, draw) keys rank ``rank`` asks its dataset for in epoch 1 from ``start``."""
+    """The (epoch, index, draw) keys ``rank`` asks its dataset for in epoch 1 from ``start``."""
     loader = build_loader(
         Labelled(TARGETS), batch_size=8, train=True, workers=0, info=info(rank, world),
         balance=0.5, repeats=2, seed=3,
@@ -159,7 +159,7 @@ def _keys_of(world: int, rank: int, start: Position | None) -> list[tuple[int, i
 def test_bad_arguments_are_refused_with_the_value() -> None:
     with pytest.raises(ValueError, match=r"power must be a number in 0\.\.1.*got 2"):
         class_weights(TARGETS, 2)
-    with pytest.raises(ValueError, match="sample 1 has -1.0"):
+    with pytest.raises(ValueError, match=r"sample 1 has -1\.0"):
         WeightedDistributedSampler([1.0, -1.0], num_replicas=1, rank=0)
     with pytest.raises(ValueError, match="positive sum"):
         WeightedDistributedSampler([0.0, 0.0], num_replicas=1, rank=0)
@@ -171,7 +171,7 @@ def test_bad_arguments_are_refused_with_the_value() -> None:
     with pytest.raises(ValueError, match="not both"):
         build_loader(data, batch_size=2, train=True, workers=0, info=info(0, 1), balance=1.0,
                      weights=[1.0] * len(data))  # fmt: skip
-    with pytest.raises(ValueError, match="3 weights .* for a dataset of 533"):
+    with pytest.raises(ValueError, match=r"3 weights .* for a dataset of 533"):
         build_loader(data, batch_size=2, train=True, workers=0, info=info(0, 1), weights=[1.0] * 3)
     with pytest.raises(ValueError, match="has none; pass weights=class_weights"):
         build_loader(list(range(9)), batch_size=2, train=True, workers=0, info=info(0, 1),  # type: ignore[arg-type]
