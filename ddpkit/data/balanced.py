@@ -27,11 +27,8 @@ from ddpkit.distributed import comm
 
 __all__ = ["WeightedDistributedSampler", "class_weights"]
 
-_SEE = "weighted-balanced-and-repeated-sampling"
-
-
 def _error(message: str) -> ValueError:
-    return ValueError(f"{message}. {see(_SEE)}")
+    return ValueError(f"{message}. {see('weighted-balanced-and-repeated-sampling')}")
 
 
 def class_weights(
