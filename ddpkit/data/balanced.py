@@ -27,6 +27,7 @@ from ddpkit.distributed import comm
 
 __all__ = ["WeightedDistributedSampler", "class_weights"]
 
+
 def _error(message: str) -> ValueError:
     return ValueError(f"{message}. {see('weighted-balanced-and-repeated-sampling')}")
 
