@@ -11,6 +11,9 @@ contender:
 (n) (d) with normalize_batch run on the CPU in the consuming loop: what the same
     step costs where there is no GPU (information; the targets use (d))
 (e) the ceiling: (d)'s dataset read in this process, no DataLoader
+(r) (t) (x) (z) (d) with a preset after the crop: RandAugment (rand-m9-n2),
+    TrivialAugmentWide, AugMix (severity 3), Random Erasing (p=0.25); their
+    cost per image is the time over (d)'s, per worker
 
 Every process computes with one thread, so the figures are per worker core.
 Warm-up (worker start, first epoch, page cache) is not timed; each timed pass
@@ -60,6 +63,16 @@ NAMES = {
     "d": "LazyLMDBDataset decode=tensor + uint8",
     "n": "(d) + normalize_batch on the CPU",
     "e": "ceiling: (d) in-process, no DataLoader",
+    "r": "(d) + RandAugment m9 n2",
+    "t": "(d) + TrivialAugmentWide",
+    "x": "(d) + AugMix severity 3",
+    "z": "(d) + RandomErasing p=0.25",
+}
+PRESETS: dict[str, dict[str, Any]] = {
+    "r": {"auto_augment": "rand", "magnitude": 9, "num_ops": 2},
+    "t": {"auto_augment": "trivial"},
+    "x": {"auto_augment": "augmix", "magnitude": 3},
+    "z": {"random_erase": 0.25},
 }
 
 
@@ -167,6 +180,7 @@ def run(args: argparse.Namespace) -> None:
         "c": LazyLMDBDataset(ddpkit_db, train_transform(224, decode="pil"), decode="pil"),
         "d": tensor_set,
         "n": tensor_set,
+        **{k: LazyLMDBDataset(ddpkit_db, train_transform(224, **kw)) for k, kw in PRESETS.items()},
     }
     rates: dict[int, dict[str, list[float]]] = {}
     for workers in args.workers:
@@ -238,6 +252,18 @@ def _report(rates: dict[int, dict[str, list[float]]], args: argparse.Namespace) 
     print(
         f"{per_worker:46}" + "".join(f"{_ratio(rates[w], 'd', 'e', 1 / w):>22.2f}" for w in counts)
     )
+
+    print(
+        f"\n{'preset: ms per image over (d), per worker':46}" + "".join(f"{w:>22}" for w in counts)
+    )
+    for k in PRESETS:
+        cells = []
+        for w in counts:
+            extra = [
+                w * (1 / p - 1 / d) * 1e3 for p, d in zip(rates[w][k], rates[w]["d"], strict=True)
+            ]
+            cells.append(f"{statistics.median(extra):.2f}")
+        print(f"({k}) {NAMES[k]:42}" + "".join(f"{c:>22}" for c in cells))
 
     print("\ntargets")
     for w in counts:

@@ -140,16 +140,21 @@ def _shown(value: Any) -> str:
     return f"{text[:60]}..." if len(text) > 60 else text
 
 
-def sample_seed(seed: int, epoch: int, index: int) -> int:
+def sample_seed(seed: int, epoch: int, index: int, draw: int | None = None) -> int:
     """A 63-bit seed for sample ``index`` of ``epoch`` in a run seeded with ``seed``.
 
     Each part is folded in through splitmix64's finaliser, a bijection on 64
     bits, so distinct ``(epoch, index)`` pairs of a run get unrelated seeds
-    (a collision is as likely as between random 63-bit numbers).
+    (a collision is as likely as between random 63-bit numbers). ``draw``
+    tells apart the draws of one sample in one epoch (a weighted sampler's
+    repeats, repeated augmentation's copies): each gets its own seed, and
+    ``None`` gives the seed of a sample drawn once.
     """
     z = _mix64(seed & _MASK64)
     z = _mix64(z ^ (epoch & _MASK64))
     z = _mix64(z ^ (index & _MASK64))
+    if draw is not None:
+        z = _mix64(z ^ (draw & _MASK64) ^ 0xD1B54A32D192ED03)
     return z & ((1 << 63) - 1)
 
 

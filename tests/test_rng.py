@@ -65,3 +65,10 @@ def test_sample_seeds_differ_across_seed_epoch_and_index() -> None:
     assert len(seeds) == 3 * 30 * 1000
     assert all(0 <= s < 2**63 for s in seeds)
     assert sample_seed(0, 1, 2) == sample_seed(0, 1, 2)
+
+
+def test_each_draw_of_a_sample_has_its_own_seed_and_none_is_the_single_draw() -> None:
+    assert sample_seed(1, 2, 3, None) == sample_seed(1, 2, 3)
+    seeds = {sample_seed(1, 2, 3, d) for d in range(1000)} | {sample_seed(1, 2, 3)}
+    assert len(seeds) == 1001
+    assert sample_seed(1, 2, 3, 4) != sample_seed(1, 2, 4, 3)

@@ -14,7 +14,8 @@ with (``images``)::
 
 :func:`build_loader` picks the sampler (``samplers``): a seeded shuffle on
 each rank, or :class:`DistributedEvalSampler` (every sample once) for
-validation, and gives back the rest of an interrupted epoch (``resume``).
+validation, and gives back the rest of an interrupted epoch (``resume``);
+``balanced`` draws class-balanced, weighted and repeated epochs as exactly.
 ``transforms`` works on uint8 tensors and normalises on the device;
 ``mixing`` holds MixUp / CutMix on a batch.
 
@@ -22,6 +23,7 @@ This package imports ``ddpkit.distributed`` and nothing of
 ``ddpkit.checkpoint`` or ``ddpkit.training``.
 """
 
+from ddpkit.data.balanced import WeightedDistributedSampler, class_weights
 from ddpkit.data.images import ImageTooLargeError
 from ddpkit.data.lmdb_build import BuildSummary, ImageError, build_lmdb
 from ddpkit.data.lmdb_dataset import LazyLMDBDataset
@@ -50,8 +52,10 @@ __all__ = [
     "LMDBFormatError",
     "LazyLMDBDataset",
     "VerifyReport",
+    "WeightedDistributedSampler",
     "build_lmdb",
     "build_loader",
+    "class_weights",
     "describe_lmdb",
     "make_shapes_dataset",
     "mixup_cutmix",

@@ -12,7 +12,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Sequence, Sized
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ from torch.utils.data import (
 from ddpkit import _graveyard
 from ddpkit._docs import see
 from ddpkit.data import samplers
+from ddpkit.data.balanced import WeightedDistributedSampler, class_weights
 from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler, SeededSamples
 from ddpkit.distributed import comm
 from ddpkit.distributed.devices import cpu_share
@@ -191,6 +192,58 @@ def _loader_seed(seed: int, rank: int) -> int:
     return int(state[0])
 
 
+def _draws(
+    dataset: Any,
+    train: bool,
+    balance: float | None,
+    weights: Any,
+    num_samples: int | None,
+    repeats: int,
+    job: tuple[int, int, int, bool],
+) -> WeightedDistributedSampler | None:
+    """The weighted or repeated sampler the arguments ask for; None: the plain shuffle."""
+    if balance is None and weights is None and num_samples is None and repeats == 1:
+        return None
+    where = see("weighted-balanced-and-repeated-sampling")
+    if not train:
+        raise ValueError(
+            "build_loader: balance, weights, num_samples and repeats apply to training "
+            f"(train=True); evaluation reads every sample once. {where}"
+        )
+    if balance is not None and weights is not None:
+        raise ValueError(
+            f"build_loader: pass balance (a power of the class sizes) or weights (one per "
+            f"sample), not both. {where}"
+        )
+    drawn: Any = len(dataset)
+    if balance is not None:
+        targets = getattr(dataset, "targets", None)
+        if targets is None:
+            raise ValueError(
+                f"build_loader: balance needs the labels as dataset.targets, and "
+                f"{type(dataset).__name__} has none; pass weights=class_weights(labels, "
+                f"power) instead. {where}"
+            )
+        drawn = class_weights(targets, balance)
+    elif weights is not None:
+        drawn = weights
+    if not isinstance(drawn, int) and len(drawn) != len(dataset):
+        raise ValueError(
+            f"build_loader: {len(drawn)} weights (or targets) for a dataset of {len(dataset)} "
+            f"samples; give one per sample. {where}"
+        )
+    world, rank, seed, drop_last = job
+    return WeightedDistributedSampler(
+        drawn,
+        num_samples,
+        repeats=repeats,
+        num_replicas=world,
+        rank=rank,
+        seed=seed,
+        drop_last=drop_last,
+    )
+
+
 def build_loader(
     dataset: Dataset[Any],
     batch_size: int | None = None,
@@ -206,6 +259,10 @@ def build_loader(
     prefetch_factor: int | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     multiprocessing_context: Any = None,
+    balance: float | None = None,
+    weights: Sequence[float] | torch.Tensor | None = None,
+    num_samples: int | None = None,
+    repeats: int = 1,
 ) -> DataLoader[Any]:
     """Return a DataLoader that gives this rank its share of ``dataset``.
 
@@ -216,6 +273,10 @@ def build_loader(
     an epoch's order depends only on ``(seed, epoch)``, so a resumed run
     continues as it would have. Evaluation reads in order with
     :class:`DistributedEvalSampler`: every sample exactly once over all ranks.
+    ``balance``, ``weights``, ``num_samples`` or ``repeats`` make training
+    draw with a :class:`~ddpkit.data.balanced.WeightedDistributedSampler`
+    instead: as deterministic, the same number of batches on every rank, and
+    as exact on resume, on the same or another number of ranks.
 
     Worker randomness (augmentations) is reproducible: the loader's generator
     is seeded from ``(seed, rank)``, and DataLoader seeds each worker's torch,
@@ -246,6 +307,16 @@ def build_loader(
             whose other threads (Gloo's, NCCL's) make a ``fork`` able to hang
             a worker on CPython 3.11; it costs about 2 s once per process and
             needs a picklable dataset.
+        balance: draw classes by the power of their size (training only): 1
+            balances the classes, 0.5 draws by the square root of their size,
+            0 as they are (with replacement); ``dataset.targets`` gives the
+            labels (see :func:`ddpkit.data.balanced.class_weights`).
+        weights: one weight per sample instead (training only), drawn with replacement.
+        num_samples: draws per epoch with ``balance`` or ``weights``, before
+            repeats; default: the dataset's length.
+        repeats: copies of each drawn sample per epoch, on different ranks,
+            each augmented apart (repeated augmentation, as timm's
+            ``--aug-repeats``; an epoch is ``repeats`` times longer).
 
     Returns:
         A plain ``torch.utils.data.DataLoader``.
@@ -255,7 +326,9 @@ def build_loader(
             size that does not divide over the ranks, ``workers`` outside
             0..1024, ``prefetch_factor`` below 1, ``seed`` outside 0..2**63-1,
             an unknown start method, or a batch larger than the dataset with
-            ``drop_last`` (0 batches an epoch). Checked before anything is built.
+            ``drop_last`` (0 batches an epoch); ``balance`` with ``weights``,
+            either (or ``repeats`` above 1) for evaluation, a dataset without
+            ``targets`` for ``balance``, bad weights. Checked before anything is built.
         TypeError: ``dataset`` is an ``IterableDataset`` (no sampler applies)
             or has no ``__len__``; a count or seed that is not a whole number
             (``bool`` included), a flag that is not a ``bool``, ``info`` that is
@@ -299,16 +372,21 @@ def build_loader(
         pin_memory = torch.cuda.is_available() and (info is None or info.device.type == "cuda")
 
     sized: Any = dataset  # map-style: checked above, samplers need len()
-    if drop_last and len(sized) // world < per_process:
+    job = (world, rank, seed, drop_last)
+    draws = _draws(sized, train, balance, weights, num_samples, repeats, job)
+    epoch_length = len(sized) if draws is None else draws.total
+    if drop_last and epoch_length // world < per_process:
         # Decided from numbers every rank shares, so every rank raises, none hangs.
         raise ValueError(
-            f"build_loader: the dataset has {len(sized)} samples and a batch takes {per_process} "
+            f"build_loader: the dataset has {epoch_length} samples and a batch takes {per_process} "
             f"per process x {world} process(es) = {per_process * world}; with drop_last=True "
             "every epoch would have 0 batches. Lower the batch size (at most "
-            f"{max(len(sized) // world, 1)} per process), use more data, or pass drop_last=False"
+            f"{max(epoch_length // world, 1)} per process), use more data, or pass drop_last=False"
         )
-    sampler: Sampler[int]
-    if train and world > 1:
+    sampler: Sampler[Any]
+    if draws is not None:
+        sampler = draws
+    elif train and world > 1:
         sampler = DistributedSampler(
             sized, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=drop_last
         )
@@ -322,7 +400,7 @@ def build_loader(
     loaded: Dataset[Any] = dataset
     if train:
         # Augmentations seeded per (seed, epoch, sample): reproducible and resumable.
-        loaded, sampler = SeededSamples(dataset, seed), EpochIndexSampler(sampler)  # type: ignore[assignment]
+        loaded, sampler = SeededSamples(dataset, seed), EpochIndexSampler(sampler)
 
     # DataLoader refuses worker options without workers; dropping them lets a
     # script switch to workers=0 for debugging and change nothing else.

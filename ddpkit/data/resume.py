@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
+from ddpkit.data.balanced import WeightedDistributedSampler
 from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler, set_epoch
 from ddpkit.position import Position
 
@@ -131,12 +132,19 @@ def epoch_order(
 
     ``DistributedSampler`` and :class:`EpochRandomSampler` draw the same
     permutation of ``(seed, epoch)``; rank ``r`` of ``R`` takes its positions
-    ``r, r + R, ...``. None for a sampler whose order is unknown.
+    ``r, r + R, ...``. A :class:`WeightedDistributedSampler`'s order is of
+    positions, each key ``(epoch, index, position)``. None for a sampler
+    whose order is unknown.
     """
     sampler: Any = loader.sampler
     keys: Callable[[int], Any] = int
     if isinstance(sampler, EpochIndexSampler):
         sampler, keys = sampler.inner, lambda index: (epoch, index)
+    if isinstance(sampler, WeightedDistributedSampler):
+        drawn = sampler.order(epoch)
+        if not isinstance(loader.sampler, EpochIndexSampler):
+            return (lambda p: (int(drawn[p]), p)), list(range(sampler.total))
+        return (lambda p: (epoch, int(drawn[p]), p)), list(range(sampler.total))
     if isinstance(sampler, DistributedSampler):
         n = len(sampler.dataset)  # type: ignore[arg-type]
         if not sampler.shuffle:

@@ -96,15 +96,19 @@ class EpochRandomSampler(RandomSampler):
         self.generator.manual_seed(self.seed + epoch)
 
 
-class EpochIndexSampler(Sampler[tuple[int, int]]):
+class EpochIndexSampler(Sampler[tuple[int, ...]]):
     """Yield ``(epoch, index)`` pairs, so a worker knows which epoch a sample belongs to.
+
+    A sampler that yields ``(index, draw)`` (one that may draw a sample more
+    than once an epoch, ``WeightedDistributedSampler``) gives ``(epoch,
+    index, draw)``: each draw then has its own augmentation.
 
     ``set_epoch`` is passed on to the wrapped sampler. An epoch started without
     it follows the previous one (epoch + 1), so forgetting the call no longer
     repeats the first epoch's order and augmentations.
     """
 
-    def __init__(self, inner: Sampler[int]) -> None:
+    def __init__(self, inner: Sampler[int] | Sampler[tuple[int, int]]) -> None:
         super().__init__()
         self.inner = inner
         self.epoch = 0
@@ -128,12 +132,13 @@ class EpochIndexSampler(Sampler[tuple[int, int]]):
             raise ValueError(f"count must be >= 0, got {count}")
         self._skip = count
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
         if self._started and not self._epoch_given:
             self.set_epoch(self.epoch + 1)
         self._started, self._epoch_given = True, False
         epoch, skip, self._skip = self.epoch, self._skip, 0
-        return ((epoch, index) for index in itertools.islice(self.inner, skip, None))
+        rest: Iterator[Any] = itertools.islice(self.inner, skip, None)
+        return ((epoch, *i) if isinstance(i, tuple) else (epoch, i) for i in rest)
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
@@ -153,7 +158,8 @@ class SeededSamples(Dataset[Any]):
     ``.targets`` (the wrapped dataset itself is ``.dataset``), and
     ``loader.dataset[i]`` with an int gives sample ``i`` augmented as in epoch
     0 (the caller's RNGs are left as they were). The sampler asks for
-    ``(epoch, index)`` pairs.
+    ``(epoch, index)`` pairs, or ``(epoch, index, draw)`` when a sample may be
+    drawn more than once an epoch (each draw seeded apart).
     """
 
     def __init__(self, dataset: Dataset[Any], seed: int) -> None:
@@ -163,15 +169,17 @@ class SeededSamples(Dataset[Any]):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int] | int) -> Any:
+    def __getitem__(self, key: tuple[int, ...] | int) -> Any:
+        draw: int | None = None
         if isinstance(key, tuple):
-            epoch, index = key
+            epoch, index, *draws = key
+            draw = draws[0] if draws else None
         else:
             epoch, index = 0, self._index(key)
         # In a worker the RNGs are the worker's own; in this process (workers=0)
         # they are the training loop's, so they are put back afterwards.
         restore = get_worker_info() is None
-        with seeded(sample_seed(self.seed, epoch, index), restore=restore):
+        with seeded(sample_seed(self.seed, epoch, index, draw), restore=restore):
             return self.dataset[index]
 
     def _index(self, key: Any) -> int:

@@ -16,15 +16,64 @@ from typing import Any, Literal, cast
 import torch
 import torch.nn.functional as nnf
 from torchvision import transforms as tv1
+from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as tvf
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "normalize_batch", "train_transform", "val_transform"]
+from ddpkit._docs import see
+
+__all__ = [
+    "AUTO_AUGMENTS",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "normalize_batch",
+    "train_transform",
+    "val_transform",
+]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 _Transform = Callable[[Any], torch.Tensor]
 _ATTEMPTS = 10  # crop boxes RandomResizedCrop tries before its central fallback
+AUTO_AUGMENTS = ("rand", "trivial", "augmix")
+_MAGNITUDES = {"rand": (0, 30), "trivial": (0, 30), "augmix": (1, 10)}
+
+
+def _auto_augment(name: str | None, magnitude: int, num_ops: int, pil: bool) -> Any:
+    """The torchvision op of a preset (v2 for tensors, v1 for PIL images), or None."""
+    ops: Any = tv1 if pil else v2
+    if name == "rand":
+        return ops.RandAugment(num_ops=num_ops, magnitude=magnitude)
+    if name == "trivial":
+        return ops.TrivialAugmentWide()
+    if name == "augmix":
+        return ops.AugMix(severity=magnitude)
+    return None
+
+
+def _check_presets(name: str | None, magnitude: int, num_ops: int, random_erase: float) -> None:
+    where = see("augmentation-presets")
+    if name is not None and name not in AUTO_AUGMENTS:
+        raise ValueError(
+            f"auto_augment must be None or one of {AUTO_AUGMENTS}, got {name!r}. {where}"
+        )
+    low, high = _MAGNITUDES.get(name or "rand", (0, 30))
+    if (
+        isinstance(magnitude, bool)
+        or not isinstance(magnitude, int)
+        or not low <= magnitude <= high
+    ):
+        raise ValueError(
+            f"magnitude must be a whole number in {low}..{high} for auto_augment={name!r}, "
+            f"got {magnitude!r} (timm's rand-m9 is 9, augmix's severity 3). {where}"
+        )
+    if isinstance(num_ops, bool) or not isinstance(num_ops, int) or num_ops < 1:
+        raise ValueError(f"num_ops must be a whole number, 1 or more, got {num_ops!r}. {where}")
+    if isinstance(random_erase, bool) or not 0.0 <= random_erase <= 1.0:
+        raise ValueError(
+            f"random_erase is a probability in 0..1, got {random_erase!r} (timm's reprob 0.25). "
+            f"{where}"
+        )
 
 
 class _TensorTrainTransform:
@@ -38,10 +87,17 @@ class _TensorTrainTransform:
     """
 
     def __init__(
-        self, size: int, scale: tuple[float, float], ratio: tuple[float, float], hflip: bool
+        self,
+        size: int,
+        scale: tuple[float, float],
+        ratio: tuple[float, float],
+        hflip: bool,
+        presets: tuple[Any, Any] = (None, None),
     ) -> None:
         self.size, self.scale, self.ratio, self.hflip = size, scale, ratio, hflip
         self._log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+        # After the crop (on the small image, as timm does): an auto-augment op and RandomErasing.
+        self.augment, self.erase = presets
 
     def _box(self, height: int, width: int, u: list[float]) -> tuple[int, int, int, int]:
         area = height * width
@@ -74,12 +130,18 @@ class _TensorTrainTransform:
         # contiguous() before flip: a channels-last input gives a channels-last
         # resize, and flip of a contiguous tensor is contiguous (one copy, not two).
         out = out.contiguous()
-        return out.flip(-1) if self.hflip and u[-1] < 0.5 else out
+        out = out.flip(-1) if self.hflip and u[-1] < 0.5 else out
+        if self.augment is not None:
+            out = self.augment(out).contiguous()
+        if self.erase is not None:
+            out = self.erase(out)
+        return out
 
     def __repr__(self) -> str:
+        presets = "".join(f", {p!r}" for p in (self.augment, self.erase) if p is not None)
         return (
             f"train_transform({self.size}, scale={self.scale}, ratio={self.ratio}, "
-            f"hflip={self.hflip})"
+            f"hflip={self.hflip}{presets})"
         )
 
 
@@ -122,8 +184,11 @@ def _check_args(decode: str, sizes: dict[str, int], pairs: dict[str, tuple[float
             raise ValueError(f"{name} must be (low, high) with 0 < low <= high, got {(lo, hi)}")
 
 
-def _pil_pipeline(steps: list[Any], mean: Sequence[float], std: Sequence[float]) -> _Transform:
-    return cast(_Transform, tv1.Compose([*steps, tv1.ToTensor(), tv1.Normalize(mean, std)]))
+def _pil_pipeline(
+    steps: list[Any], mean: Sequence[float], std: Sequence[float], after: Sequence[Any] = ()
+) -> _Transform:
+    normalized = [*steps, tv1.ToTensor(), tv1.Normalize(mean, std), *after]
+    return cast(_Transform, tv1.Compose(normalized))
 
 
 def train_transform(
@@ -135,8 +200,19 @@ def train_transform(
     hflip: bool = True,
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
+    auto_augment: Literal["rand", "trivial", "augmix"] | None = None,
+    magnitude: int = 9,
+    num_ops: int = 2,
+    random_erase: float = 0.0,
 ) -> Callable[[Any], torch.Tensor]:
     """Return the ImageNet training augmentation: RandomResizedCrop + RandomHorizontalFlip.
+
+    Presets from ``torchvision.transforms.v2`` follow the crop, as in timm:
+    ``auto_augment="rand"`` (RandAugment, ``num_ops`` ops of ``magnitude``
+    0..30, timm's ``rand-m9-n2``), ``"trivial"`` (TrivialAugmentWide),
+    ``"augmix"`` (AugMix of severity ``magnitude`` 1..10), then Random
+    Erasing with probability ``random_erase`` (zeros; after ``Normalize`` on
+    the PIL path). On the tensor path they take and give uint8.
 
     The crop box follows ``torchvision.transforms.RandomResizedCrop``'s
     distribution on both paths. Random draws come from torch's global RNG, which
@@ -156,25 +232,37 @@ def train_transform(
             mirror image means something else (digits, text, some medical images).
         mean: per-channel mean for ``Normalize``; used with ``decode="pil"`` only.
         std: per-channel standard deviation; used with ``decode="pil"`` only.
+        auto_augment: None, ``"rand"``, ``"trivial"`` or ``"augmix"``.
+        magnitude: strength of ``"rand"`` (0..30) or severity of ``"augmix"`` (1..10).
+        num_ops: ops RandAugment applies to each image.
+        random_erase: probability of erasing a random rectangle (0: never).
 
     Returns:
         A picklable callable taking one image.
 
     Raises:
         ValueError: ``decode`` is not ``"tensor"`` or ``"pil"``, ``size`` is not
-            positive, or ``scale`` / ``ratio`` is not an increasing positive pair.
+            positive, ``scale`` / ``ratio`` is not an increasing positive pair,
+            an unknown ``auto_augment``, or a strength out of its range.
 
     Example:
         >>> dataset = LazyLMDBDataset("train.lmdb", transform=train_transform(224))
         >>> images = normalize_batch(images.cuda(non_blocking=True))
     """
     _check_args(decode, {"size": size}, {"scale": scale, "ratio": ratio})
-    if decode == "tensor":
-        return _TensorTrainTransform(size, (scale[0], scale[1]), (ratio[0], ratio[1]), hflip)
+    _check_presets(auto_augment, magnitude, num_ops, random_erase)
+    pil = decode == "pil"
+    augment = _auto_augment(auto_augment, magnitude, num_ops, pil)
+    erase = (tv1 if pil else v2).RandomErasing(p=random_erase) if random_erase > 0 else None
+    if not pil:
+        box = ((scale[0], scale[1]), (ratio[0], ratio[1]))
+        return _TensorTrainTransform(size, *box, hflip, (augment, erase))
     steps = [tv1.RandomResizedCrop(size, scale=scale, ratio=ratio)]
     if hflip:
         steps.append(tv1.RandomHorizontalFlip())
-    return _pil_pipeline(steps, mean, std)
+    if augment is not None:
+        steps.append(augment)
+    return _pil_pipeline(steps, mean, std, [erase] if erase is not None else [])
 
 
 def val_transform(

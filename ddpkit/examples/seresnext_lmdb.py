@@ -37,10 +37,13 @@ from torch import nn
 
 import ddpkit
 from ddpkit.data.shapes import make_shapes_dataset
+from ddpkit.data.transforms import AUTO_AUGMENTS
 from ddpkit.distributed.devices import cpu_share
 from ddpkit.examples.seresnext_setup import (
+    BALANCE_POWERS,
     batch_error,
     batch_line,
+    data_record,
     load_weights,
     model_record,
     processes_from_flags,
@@ -122,6 +125,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how data workers start (default: Python's; fork on Linux\n"
         "before 3.14). forkserver: never a copy of this multi-\n"
         "threaded process, about 2 s once per process",
+    )
+    p.add_argument(
+        "--balance",
+        choices=tuple(BALANCE_POWERS),
+        default="none",
+        help="draw classes as they are (none), by the square root of their\n"
+        "size (sqrt) or equally often (class), with replacement",
+    )
+    p.add_argument(
+        "--aug-repeats",
+        type=_number(int, 1, False),
+        default=1,
+        metavar="N",
+        help="each drawn image N times an epoch, on different processes,\n"
+        "augmented apart (repeated augmentation; epochs N times longer)",
+    )
+    p.add_argument(
+        "--auto-augment",
+        choices=AUTO_AUGMENTS,
+        help="RandAugment (rand), TrivialAugmentWide (trivial) or AugMix\n(augmix) after the crop",
+    )
+    p.add_argument(
+        "--aug-magnitude",
+        type=_number(int, 0, False),
+        default=9,
+        metavar="M",
+        help="--auto-augment's strength: rand 0..30 (timm's m9), augmix's\nseverity 1..10",
+    )
+    p.add_argument(
+        "--random-erase",
+        type=_number(float, 0, False),
+        default=0.0,
+        metavar="P",
+        help="erase a random rectangle of a crop with probability P (timm's\nreprob 0.25)",
     )
     p.add_argument("--epochs", type=_number(int, 1, False), default=90)
     rate = p.add_mutually_exclusive_group()
@@ -375,6 +412,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"{classes}: pass --num-classes N >= 2 or data with two classes or more, or "
                 f"drop {flag}"
             )
+    if args.random_erase > 1:
+        p.error(f"argument --random-erase: a probability, at most 1, got {args.random_erase:g}")
+    if args.auto_augment is not None:
+        low, high = (1, 10) if args.auto_augment == "augmix" else (0, 30)
+        if not low <= args.aug_magnitude <= high:
+            p.error(
+                f"argument --aug-magnitude: --auto-augment {args.auto_augment} takes "
+                f"{low}..{high}, got {args.aug_magnitude}"
+            )
     if not 0 < args.model_ema_decay < 1:
         p.error(f"--model-ema-decay must lie between 0 and 1, got {args.model_ema_decay}")
     processes = processes_from_flags(args, torch.cuda.device_count())
@@ -471,7 +517,13 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(cpu_share(info.local_world_size))
     torch.manual_seed(args.seed)
     size, data = args.image_size, Path(args.data)
-    train_tf = ddpkit.train_transform(size, scale=(args.min_crop, 1.0))
+    train_tf = ddpkit.train_transform(
+        size,
+        scale=(args.min_crop, 1.0),
+        auto_augment=args.auto_augment,
+        magnitude=args.aug_magnitude,
+        random_erase=args.random_erase,
+    )
     train_set = ddpkit.LazyLMDBDataset(data / "train.lmdb", transform=train_tf)
     val_tf = ddpkit.val_transform(size, round(size * 256 / 224))
     val_set = ddpkit.LazyLMDBDataset(data / "val.lmdb", transform=val_tf)
@@ -501,7 +553,12 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         model = torch.compile(model)  # type: ignore[assignment]
 
     train_loader = ddpkit.build_loader(
-        train_set, global_batch_size=args.batch_size, train=True, **kw
+        train_set,
+        global_batch_size=args.batch_size,
+        train=True,
+        balance=BALANCE_POWERS[args.balance],
+        repeats=args.aug_repeats,
+        **kw,
     )
     logging.info(
         batch_line(
@@ -535,7 +592,7 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         every_minutes=args.save_every_minutes,
         on_each_node=args.save_on_each_node,
         overwrite=args.overwrite,
-        extra=record,
+        extra={**record, **data_record(args)},
     )
     # A restarted process (torchrun --max-restarts, --max-restarts) continues the run.
     resume = args.resume or info.restart_count > 0

@@ -79,6 +79,25 @@ def model_record(args: argparse.Namespace, num_classes: int) -> dict[str, Any]:
     return {"--arch": args.arch, "--num-classes": num_classes, "--image-size": args.image_size}
 
 
+# --balance: the power of the class sizes the draws follow (None: the plain shuffle).
+BALANCE_POWERS: dict[str, float | None] = {"none": None, "sqrt": 0.5, "class": 1.0}
+
+
+def data_record(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags that decide an epoch's draws and augmentations, as every checkpoint records them.
+
+    A resume with other values is refused: the position of a mid-epoch
+    checkpoint means something only in the order and augmentations it was taken in.
+    """
+    return {
+        "--balance": args.balance,
+        "--aug-repeats": args.aug_repeats,
+        "--auto-augment": args.auto_augment or "none",
+        "--aug-magnitude": args.aug_magnitude,
+        "--random-erase": args.random_erase,
+    }
+
+
 def check_weights_file(path: str, record: dict[str, Any]) -> None:
     """Refuse a file to evaluate that was trained with other flags, before loading it.
 

@@ -21,6 +21,7 @@ from ddpkit.data.transforms import (
     train_transform,
     val_transform,
 )
+from ddpkit.rng import sample_seed, seeded
 
 _Factory = Callable[..., Callable[[Any], torch.Tensor]]
 _PHOTOS = [np.ascontiguousarray(a) for a in load_sample_images().images]  # 427 x 640 RGB
@@ -282,3 +283,69 @@ def test_tensor_transforms_and_normalize_on_cuda() -> None:
     assert (on_gpu - val_transform(64, 72)(img.cpu()).int()).abs().max() <= 1
     x = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
     torch.testing.assert_close(normalize_batch(x.cuda()).cpu(), normalize_batch(x))
+
+
+@pytest.mark.parametrize("preset", ["rand", "trivial", "augmix"])
+def test_presets_are_uint8_in_and_out_and_drawn_from_the_sample_seed(preset: str) -> None:
+    transform = train_transform(64, auto_augment=preset, magnitude=9, random_erase=0.5)  # type: ignore[arg-type]
+    img = _photo()
+
+    def draw(epoch: int, index: int) -> torch.Tensor:
+        with seeded(sample_seed(7, epoch, index)):
+            return transform(img)
+
+    first = draw(0, 3)
+    assert first.dtype == torch.uint8
+    assert first.shape == (3, 64, 64)
+    assert first.is_contiguous()
+    assert torch.equal(first, draw(0, 3))  # same (seed, epoch, index): the same image
+    others = [draw(0, i) for i in range(4, 10)] + [draw(1, 3)]
+    assert all(not torch.equal(first, o) for o in others)  # another index or epoch: new draws
+    plain = train_transform(64)
+    with seeded(sample_seed(7, 0, 3)):
+        crop = plain(img)
+    assert not torch.equal(first, crop)  # the preset changed the crop
+
+
+def test_random_erase_erases_with_its_probability() -> None:
+    transform = train_transform(
+        32, scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip=False, random_erase=0.5
+    )
+    img = torch.full((3, 40, 40), 200, dtype=torch.uint8)
+    erased = 0
+    for i in range(200):
+        with seeded(i):
+            erased += bool((transform(img) == 0).any())
+    assert 70 < erased < 130  # p = 0.5 over 200 draws: 100 +- 3.5 standard deviations
+
+
+@pytest.mark.parametrize("preset", ["rand", "trivial", "augmix", None])
+def test_pil_presets_repeat_under_a_seed_and_give_normalised_float(preset: str | None) -> None:
+    transform = train_transform(48, decode="pil", auto_augment=preset, random_erase=0.3)  # type: ignore[arg-type]
+    pil = Image.fromarray(_PHOTOS[0])
+    with seeded(5):
+        a = transform(pil)
+    with seeded(5):
+        b = transform(pil)
+    assert a.dtype == torch.float32
+    assert a.shape == (3, 48, 48)
+    assert torch.equal(a, b)
+
+
+def test_presets_survive_pickling_and_bad_strengths_are_refused() -> None:
+    transform = train_transform(32, auto_augment="rand", num_ops=3, magnitude=15)
+    again = pickle.loads(pickle.dumps(transform))
+    with seeded(1):
+        a = transform(_photo())
+    with seeded(1):
+        assert torch.equal(a, again(_photo()))
+    with pytest.raises(ValueError, match=r"auto_augment must be None or one of .*'autoaug'"):
+        train_transform(auto_augment="autoaug")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"magnitude must be a whole number in 1\.\.10 .*got 11"):
+        train_transform(auto_augment="augmix", magnitude=11)
+    with pytest.raises(ValueError, match=r"magnitude must be a whole number in 0\.\.30 .*got 31"):
+        train_transform(auto_augment="rand", magnitude=31)
+    with pytest.raises(ValueError, match="num_ops must be a whole number, 1 or more, got 0"):
+        train_transform(auto_augment="rand", num_ops=0)
+    with pytest.raises(ValueError, match=r"random_erase is a probability in 0\.\.1, got 1.5"):
+        train_transform(random_erase=1.5)

@@ -347,6 +347,12 @@ def test_evaluate_prints_the_accuracy_training_logged(tmp_path: Path) -> None:
         ["-b", "0"],
         ["-j", "-1"],
         ["--nprocs", "0"],
+        ["--aug-repeats", "0"],
+        ["--balance", "inverse"],
+        ["--auto-augment", "autoaugment"],
+        ["--random-erase", "1.5"],
+        ["--aug-magnitude", "11", "--auto-augment", "augmix"],
+        ["--aug-magnitude", "31", "--auto-augment", "rand"],
     ],
 )
 def test_fault_flags_are_checked_before_anything_runs(

@@ -38,8 +38,22 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+# Class-balanced draws, each twice, RandAugment and Random Erasing: the run every test here reuses.
+SAMPLING = [
+    "--balance",
+    "class",
+    "--aug-repeats",
+    "2",
+    "--auto-augment",
+    "rand",
+    "--random-erase",
+    "0.25",
+]
+
+
 def _flags(root: Path, *extra: str) -> list[str]:
     return [
+        *SAMPLING,
         "--data",
         str(root),
         "--arch",
@@ -59,7 +73,19 @@ def _flags(root: Path, *extra: str) -> list[str]:
 def test_every_checkpoint_records_the_model(trained: Path) -> None:
     for name in ("latest.pth",):
         extra = ddpkit.load_checkpoint(trained / "ckpt" / name)["extra"]
-        assert extra == {"--arch": "test_resnet", "--num-classes": 3, "--image-size": 32}
+        assert extra == {
+            "--arch": "test_resnet", "--num-classes": 3, "--image-size": 32,
+            "--balance": "class", "--aug-repeats": 2, "--auto-augment": "rand",
+            "--aug-magnitude": 9, "--random-erase": 0.25,
+        }  # fmt: skip
+        # 12 images drawn class-balanced, each twice: 24 a epoch in batches of 4.
+        assert ddpkit.load_checkpoint(trained / "ckpt" / name)["position"]["step"] == 6
+
+
+def test_a_resume_with_other_draws_or_augmentations_is_refused(trained: Path) -> None:
+    args = example.parse_args(_flags(trained, "--resume", "--epochs", "2", "--balance", "sqrt"))
+    with pytest.raises(ddpkit.CheckpointError, match="trained with --balance class; this run"):
+        example.run(args)
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ from ddpkit import (
     fit,
     mixup_cutmix,
     model_ema,
+    train_transform,
     warmup_schedule,
     wrap_ddp,
 )
@@ -59,6 +60,30 @@ class Logged(Dataset[tuple[torch.Tensor, int]]):
             with open(self.record, "a", encoding="utf-8") as f:
                 f.write(f"{index}\n")
         return self.inner[index]
+
+
+class TailImages(Dataset[tuple[torch.Tensor, int]]):
+    """48 tiny uint8 images in 3 classes of 36, 9 and 3, through RandAugment and Random Erasing.
+
+    Each image's 8 column means are the small net's features, so the preset's
+    draws reach the weights.
+    """
+
+    def __init__(self) -> None:
+        self.targets = [0] * 36 + [1] * 9 + [2] * 3
+        self.transform = train_transform(
+            8, scale=(0.5, 1.0), hflip=False, auto_augment="rand", random_erase=0.25
+        )
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        label = self.targets[index]
+        g = torch.Generator().manual_seed(index)
+        image = torch.rand(3, 12, 12, generator=g) * 120 + 60 * label
+        out = self.transform(image.to(torch.uint8))
+        return out.float().mean(dim=(0, 1)) / 255, label
 
 
 class Hooked(torch.optim.SGD):
@@ -128,11 +153,15 @@ def faulty_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, An
     torch.manual_seed(99 + rank)  # dropout masks differ per rank, as in a real job
     record = f"{plan['record']}.{world_size}.{rank}" if plan.get("record") else None
     stall = plan.get("stall_at")
-    data = Logged(record, stall[1] * BATCH if stall and stall[0] == rank else None)
+    data: Dataset[Any] = Logged(record, stall[1] * BATCH if stall and stall[0] == rank else None)
+    # balanced: class-balanced draws of half the set, each twice (repeated augmentation).
+    draws = {"balance": 1.0, "num_samples": 24, "repeats": 2} if plan.get("balanced") else {}
+    if draws:
+        data = TailImages()
     workers = plan.get("workers", 2)
     start = worker_start(data) if workers else None
     loader = build_loader(data, batch_size=BATCH, train=True, workers=workers, seed=5, info=info,
-                          multiprocessing_context=start)  # fmt: skip
+                          multiprocessing_context=start, **draws)  # type: ignore[arg-type]  # fmt: skip
     directory = plan["dirs"][rank] if "dirs" in plan else plan["dir"]
     manager = CheckpointManager(directory, prefix="tiny", every_steps=plan.get("every_steps"),
                                 on_each_node=plan.get("on_each_node", False))  # fmt: skip
@@ -167,3 +196,13 @@ def faulty_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, An
     if ema is not None:
         outcome["ema"] = {k: v.clone() for k, v in ema.state_dict().items()}
     return outcome
+
+
+def resumed_then_fresh(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
+    """``faulty_run`` resuming ``plan``, then afresh in ``plan["fresh"]``: one start-up for both.
+
+    Returns the resumed run's outcome, the fresh run's weights as ``reference``.
+    """
+    outcome = faulty_run(rank, world_size, {**plan, "resume": True})
+    fresh = faulty_run(rank, world_size, {**plan, "dir": plan["fresh"], "resume": False})
+    return {**outcome, "reference": fresh["weights"], "fresh_steps": fresh["steps"]}

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from fault_jobs import BATCH, faulty_run
+from fault_jobs import BATCH, faulty_run, resumed_then_fresh
 from torch.utils.data import DistributedSampler
 
 from ddpkit import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE, RankFailedError, load_checkpoint
@@ -282,3 +282,21 @@ def test_the_modern_recipe_resumes_bit_exactly_mid_warm_up_and_mid_epoch(
         for part in ("weights", "ema"):
             for key, value in expected[part].items():
                 assert torch.equal(result[part][key], value), f"rank {rank}: {part} {key}"
+
+
+def test_balanced_repeated_draws_with_randaugment_resume_bit_exactly(tmp_path: Path) -> None:
+    """Class-balanced draws, each twice on two ranks, RandAugment and Random Erasing on:
+    a SIGKILL mid-epoch, then a resume ends with the weights of a run nothing stopped
+    (run after the resume in the same processes, to start Python once for both)."""
+    plan = {"every_steps": 2, "balanced": True, "workers": 0, "epochs": 2}
+    _killed({**plan, "dir": str(tmp_path / "run"), "kill_at": (1, 9)})
+    fresh = str(tmp_path / "reference")
+    results = run_distributed(
+        resumed_then_fresh,
+        2,
+        args=({**plan, "dir": str(tmp_path / "run"), "fresh": fresh},),
+        timeout=_TIMEOUT,
+    )
+    assert results[0]["fresh_steps"] == STEPS_PER_EPOCH * 2  # 24 draws x 2 copies / 2 ranks / 4
+    assert results[0]["position"].step == 8  # resumed mid-epoch 1: 2 of its 6 batches done
+    _assert_same(results, [r["reference"] for r in results], "balanced, repeated, RandAugment")
