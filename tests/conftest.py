@@ -40,6 +40,7 @@ _SERIAL = (
     "distributed/test_comm.py",
     "distributed/test_devices.py",
     "distributed/test_doctor.py",
+    "distributed/test_hang_report.py",
     "distributed/test_job.py",
     "distributed/test_launchers.py",
     "distributed/test_parallel.py",

@@ -106,6 +106,17 @@ class FaultConfig:
     which a launcher's restart policy sees as a failure. None: no watchdog.
     Choose it above the slowest step, validation batch and checkpoint snapshot."""
 
+    report_signal: str | None = "SIGUSR2"
+    """With the watchdog on: a signal that, sent to any rank of the running job
+    (``kill -USR2 PID``), makes every rank that can answer send its last
+    collectives and Python stacks, and rank 0 write ``hang-report.txt``; the
+    job goes on. None: no signal is taken."""
+
+    report_dir: str | os.PathLike[str] | None = None
+    """Where ``hang-report.txt`` and each rank's flight-recorder dump (and NCCL's
+    dump on a collective timeout) go; default the checkpoint directory, else
+    ``ReportConfig.log_dir``; with neither, the report is only logged."""
+
     on_data_change: str = "error"
     """A resume from a mid-epoch checkpoint whose training set had another size
     or index (recorded in step checkpoints): ``"error"`` raises
@@ -123,6 +134,13 @@ class FaultConfig:
                     f"hang_timeout must be a positive number of seconds or None, got {timeout!r}"
                 )
             object.__setattr__(self, "hang_timeout", seconds)  # frozen: a plain float from here
+        if self.report_signal is not None:
+            StepControl(signals=(self.report_signal,))  # the same check of the name
+            if self.report_signal in self.stop_signals:
+                raise ValueError(
+                    f"report_signal {self.report_signal!r} is also a stop signal; choose another "
+                    "(SIGUSR2) or None"
+                )
         if self.on_data_change not in ("error", "next_epoch"):
             raise ValueError(
                 f"on_data_change must be 'error' or 'next_epoch', got {self.on_data_change!r}"

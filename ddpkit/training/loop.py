@@ -37,7 +37,9 @@ from ddpkit.checkpoint.sync import claim_directory
 from ddpkit.data.resume import data_identity
 from ddpkit.distributed import comm
 from ddpkit.distributed.devices import module_device
+from ddpkit.distributed.job import restore_environ
 from ddpkit.distributed.parallel import sync_buffers
+from ddpkit.distributed.recorder import point_dumps
 from ddpkit.distributed.stops import StepControl
 from ddpkit.position import Position
 from ddpkit.training.config import FaultConfig, ReportConfig
@@ -222,7 +224,17 @@ def fit(
                 HangWatchdog,  # its thread and store client: only if asked
             )
 
-            watchdog = stack.enter_context(HangWatchdog(timeout=faults.hang_timeout))
+            where = faults.report_dir or (checkpoints.directory if checkpoints else report.log_dir)
+            if where is not None and dev.type == "cuda":
+                restore = point_dumps(where)  # NCCL's own dump on a collective timeout
+                stack.callback(restore_environ, restore)
+            watchdog = stack.enter_context(
+                HangWatchdog(
+                    timeout=faults.hang_timeout,
+                    report_dir=where,
+                    report_signal=faults.report_signal,
+                )
+            )
         reporter = Reporter(report, is_main=comm.is_main_process())
         stack.callback(reporter.close)
         header = _header(
