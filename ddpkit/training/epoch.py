@@ -9,6 +9,7 @@ on, and nothing else: the per-step cost over a hand-written loop is that call.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -30,6 +31,7 @@ from ddpkit.position import Position
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.evaluation import Criterion, autocast, to_device
 from ddpkit.training.reporting import Reporter
+from ddpkit.training.stragglers import find_straggler, gather_timings
 
 __all__ = ["Run", "TrainConfig", "TrainingError", "resume_start", "stop_now", "train_epoch"]
 
@@ -257,7 +259,8 @@ class _Totals:
             torch.cat([self.loss_sum[None], torch.tensor(counts, device=dev, dtype=torch.float64)])
         )
         global_samples = int(total[1].item())
-        return {
+        ranks = _ranks_apart(self.waited, seconds)
+        return ranks | {
             "epoch": epoch + 1,  # what a person reads counts from 1: the bar, lines, files
             "train_loss": float(total[0].item()) / max(global_samples, 1),
             "train_samples": global_samples,
@@ -266,6 +269,24 @@ class _Totals:
             "seconds": seconds,
             "data_wait": float(total[2].item()) / max(float(total[3].item()), 1e-9),
         }
+
+
+def _ranks_apart(waited: float, seconds: float) -> dict[str, Any]:
+    """Each rank's data wait and compute, their spread, and the straggler: one gather per epoch.
+
+    Nothing (and no collective) in a single process. All ranks must call this, or it deadlocks.
+    """
+    if comm.get_world_size() < 2:
+        return {}
+    timings = gather_timings(waited, seconds)
+    totals = [t["data_s"] + t["compute_s"] for t in timings]
+    middle = statistics.median(totals)
+    return {
+        "rank_data_s": [t["data_s"] for t in timings],
+        "rank_compute_s": [t["compute_s"] for t in timings],
+        "rank_spread": (max(totals) - min(totals)) / middle if middle > 0 else 0.0,
+        "straggler": find_straggler(timings),
+    }
 
 
 class _Progress:
