@@ -163,3 +163,31 @@ class ReportConfig:
     """Print one line per epoch to stdout, "resuming at ..." and "nothing to
     do ..." lines, and a summary table at the end. False: these go to the
     ``ddpkit`` logger at INFO instead."""
+
+    profile_steps: tuple[int, int] | None = None
+    """``(A, B)``: record optimizer steps A to B - 1 (counted over the run, from
+    0) with ``torch.profiler`` into ``log_dir/profile/rank<r>.stepsA-B.pt.trace.json``,
+    which Perfetto and TensorBoard's profiler open. Needs ``log_dir``. None:
+    no profiler, nothing is done per step."""
+
+    profile_ranks: tuple[int, ...] | None = None
+    """The ranks that profile ``profile_steps``; None: every rank."""
+
+    def __post_init__(self) -> None:
+        steps = self.profile_steps
+        if steps is not None:
+            if (
+                len(steps) != 2
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+                or not 0 <= steps[0] < steps[1]
+            ):
+                raise ValueError(
+                    f"profile_steps must be (first, end) with 0 <= first < end, got {steps!r}"
+                )
+            if self.log_dir is None:
+                raise ValueError("profile_steps needs log_dir: the traces go to log_dir/profile")
+            object.__setattr__(self, "profile_steps", (int(steps[0]), int(steps[1])))
+        if self.profile_ranks is not None and any(
+            isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.profile_ranks
+        ):
+            raise ValueError(f"profile_ranks must be ranks (ints >= 0), got {self.profile_ranks!r}")

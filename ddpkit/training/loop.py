@@ -53,6 +53,7 @@ from ddpkit.training.epoch import (
     train_epoch,
 )
 from ddpkit.training.evaluation import Criterion, evaluate
+from ddpkit.training.profiling import StepProfiler
 from ddpkit.training.reporting import Reporter
 
 __all__ = [
@@ -268,6 +269,13 @@ def fit(
             ema,
             per_step,
         )
+        steps = report.profile_steps
+        if steps is not None and (report.profile_ranks is None or rank in report.profile_ranks):
+            assert report.log_dir is not None  # ReportConfig checks it
+            where = os.path.join(report.log_dir, "profile")
+            run.profiler = StepProfiler(steps[0], steps[1], where, rank, dev)
+            stack.callback(run.profiler.close)  # a run that ends inside the range
+            run.profiler.at(run.step)
         if checkpoints is not None:
             run.data = data_identity(getattr(train_loader, "dataset", None))
         try:

@@ -23,12 +23,17 @@ THRESHOLD = 0.10
 """A rank this much slower than the median (a share of the median rank's epoch) is named."""
 
 
-def gather_timings(data_s: float, seconds: float) -> list[dict[str, Any]]:
-    """Every rank's ``{"host", "data_s", "compute_s"}`` for the epoch, in rank order.
+def gather_timings(data_s: float, seconds: float, peak_mb: float = 0.0) -> list[dict[str, Any]]:
+    """Every rank's ``{"host", "data_s", "compute_s", "peak_mb"}`` for the epoch, in rank order.
 
     All ranks must call this, or it deadlocks.
     """
-    mine = {"host": socket.gethostname(), "data_s": data_s, "compute_s": max(seconds - data_s, 0.0)}
+    mine = {
+        "host": socket.gethostname(),
+        "data_s": data_s,
+        "compute_s": max(seconds - data_s, 0.0),
+        "peak_mb": peak_mb,
+    }
     return comm.all_gather_object(mine)
 
 
