@@ -102,11 +102,12 @@ def recorder_state(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     )
     dump = env.get("TORCH_NCCL_DUMP_ON_TIMEOUT")
     handling = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-    where = env.get(_DUMP_FILE, "beside the checkpoints (fit) or /tmp/nccl_trace_rank_")
+    where = env.get(_DUMP_FILE)
+    into = f"into {where}<rank>" if where else "beside the checkpoints (fit with a watchdog)"
     return {
         "buffer": buffer,
         "nccl dump on timeout": (
-            f"on, into {where}" if dump in (None, "1", "true") else f"off ({dump!r})"
+            f"on, {into}" if dump in (None, "1", "true") else f"off ({dump!r})"
         )
         + ("" if dump is not None else " (init_distributed's default)"),
         "nccl error handling": (
