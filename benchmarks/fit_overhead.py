@@ -4,8 +4,11 @@ Two Gloo processes on the CPU train the same model on the same data for the
 same number of steps, once through ``ddpkit.fit`` and once through the
 shortest correct DDP loop (set_epoch, forward, backward, step). ``fit`` runs
 as a long job would: a step checkpoint every 50 steps (``CheckpointManager``
-in a temporary directory, written in the background) and the hang watchdog
-on (``FaultConfig(hang_timeout=...)``). Each round times both loops in the
+in a temporary directory, written in the background), the hang watchdog
+on (``FaultConfig(hang_timeout=...)``, with its report signal) and, as
+``init_distributed`` sets it, PyTorch's flight recorder of collectives
+(``TORCH_FR_BUFFER_SIZE``; ``--flight-recorder-off`` to compare, which turns
+it off for both loops: the recorder is per process). Each round times both loops in the
 same processes, the order alternating from round to round, so load from other
 work falls on both; every round's ratio is printed with their spread. The
 result is the median of the per-round ratios. Target: fit / hand-written <= 1.03.
@@ -21,7 +24,7 @@ with fixed thresholds (``MALLOC_MMAP_THRESHOLD_``,
 loop are printed.
 
     python benchmarks/fit_overhead.py [--steps 200] [--rounds 5] [--batch-size 64]
-                                      [--glibc-malloc-defaults]
+                                      [--glibc-malloc-defaults] [--flight-recorder-off]
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddpkit import CheckpointManager, FaultConfig, ReportConfig, TrainConfig, fit, wrap_ddp
+from ddpkit.distributed.recorder import BUFFER_SIZE
 from ddpkit.testing import run_distributed
 
 TARGET = 1.03
@@ -149,14 +153,23 @@ def main() -> None:
         action="store_true",
         help="keep glibc's own malloc thresholds in the ranks instead of fixed ones",
     )
+    parser.add_argument(
+        "--flight-recorder-off",
+        action="store_true",
+        help="TORCH_FR_BUFFER_SIZE=0 in the ranks, for both loops (default: on, as "
+        "init_distributed sets it)",
+    )
     args = parser.parse_args()
+    recorder = "0" if args.flight_recorder_off else str(BUFFER_SIZE)
     if not args.glibc_malloc_defaults:
         for name, value in FIXED_MALLOC.items():
             os.environ.setdefault(name, value)
     malloc = " ".join(f"{k}={os.environ[k]}" for k in FIXED_MALLOC if k in os.environ)
     load = os.getloadavg()[0]
     shape = (args.steps, args.batch_size, args.rounds)
-    times, faults, files = run_distributed(_rank, 2, args=shape, timeout=7200)[0]
+    times, faults, files = run_distributed(
+        _rank, 2, args=shape, timeout=7200, env={"TORCH_FR_BUFFER_SIZE": recorder}
+    )[0]
     hand, fitted = times["hand"], times["fit"]
     ratios = [f / h for f, h in zip(fitted, hand, strict=True)]
     saves = len(range(CHECKPOINT_EVERY, args.steps, CHECKPOINT_EVERY))
@@ -167,6 +180,8 @@ def main() -> None:
         f"plus the epoch's) in a temporary directory, and the hang watchdog on "
         f"(hang_timeout={HANG_TIMEOUT:g} s)"
     )
+    state = "off" if recorder == "0" else f"on ({recorder} collectives)"
+    print(f"flight recorder (TORCH_FR_BUFFER_SIZE), both loops: {state}")
     print(f"files in the last round's checkpoint directory: {', '.join(files)}")
     print(f"glibc malloc: {malloc or 'its defaults'}")
     print("round   hand ms/step   fit ms/step   fit / hand   page faults/step: hand     fit")

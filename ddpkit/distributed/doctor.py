@@ -29,6 +29,7 @@ from ddpkit.distributed.launchers import LaunchEnv, detect_launcher, master_endp
 from ddpkit.distributed.network import NCCL_DEBUG_LEVELS, NetworkPlan, plan_network
 from ddpkit.distributed.ports import bind_problem, is_local
 from ddpkit.distributed.ports import probe_tcp as _probe_tcp  # the name tests and callers knew
+from ddpkit.distributed.recorder import recorder_state
 
 __all__ = ["Check", "Status", "exit_code", "format_report", "run_checks"]
 
@@ -74,7 +75,8 @@ def run_checks(
 
     Checks, in this order: versions, GPUs, launcher, interfaces, route to
     master, ``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``, InfiniBand,
-    ``NCCL_DEBUG`` and master port. A check that raises becomes a FAIL line
+    ``NCCL_DEBUG``, the flight recorder, what the job does on a hang, and
+    the master port. A check that raises becomes a FAIL line
     naming the exception; the others still run.
 
     Args:
@@ -123,6 +125,8 @@ def run_checks(
             checks += _guard(var, partial(_check_ifname, var, plan))
         checks += _guard("InfiniBand", lambda: _check_infiniband(plan))
         checks += _guard("NCCL_DEBUG", lambda: _check_nccl_debug(plan))
+    checks += _guard("flight recorder", lambda: _check_recorder(env))
+    checks += _guard("on a hang", lambda: _check_on_hang(env))
     interfaces = plan.interfaces if plan is not None else list_interfaces()
     checks += _guard(
         "master port", lambda: _check_port(addr, port, launch, connect_timeout, interfaces)
@@ -350,6 +354,38 @@ def _check_nccl_debug(plan: NetworkPlan) -> Check:
             f"export NCCL_DEBUG to one of {', '.join(NCCL_DEBUG_LEVELS)}, or unset it",
         )
     return Check("NCCL_DEBUG", "OK", repr(setting.value))
+
+
+def _check_recorder(env: Mapping[str, str]) -> Check:
+    state = recorder_state(env)
+    detail = f"{state['buffer']}; NCCL dump on timeout {state['nccl dump on timeout']}"
+    if state["buffer"].startswith("off"):
+        return Check(
+            "flight recorder",
+            "WARN",
+            detail,
+            "unset TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE: a hang report then "
+            "names each rank's last collective",
+        )
+    return Check("flight recorder", "OK", detail)
+
+
+def _check_on_hang(env: Mapping[str, str]) -> Check:
+    handling = recorder_state(env)["nccl error handling"]
+    detail = (
+        f"NCCL: {handling}; fit(faults=FaultConfig(hang_timeout=T)): after T s without "
+        "progress rank 0 writes hang-report.txt beside the checkpoints (rank, collective, "
+        "line), every rank exits 124; kill -USR2 <pid> writes the report while the job runs"
+    )
+    if not handling.startswith("a timed-out"):
+        return Check(
+            "on a hang",
+            "WARN",
+            detail,
+            "unset TORCH_NCCL_ASYNC_ERROR_HANDLING (or set it to 3) so that a timed-out "
+            "collective ends its rank",
+        )
+    return Check("on a hang", "INFO", detail)
 
 
 def _check_port(

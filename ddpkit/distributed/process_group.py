@@ -23,6 +23,7 @@ from ddpkit.distributed import devices
 from ddpkit.distributed.job import DistInfo, JobPlan, as_timeout, resolve_job, restore_environ
 from ddpkit.distributed.launchers import detect_launcher, master_endpoint
 from ddpkit.distributed.network import plan_network
+from ddpkit.distributed.recorder import enable_recorder
 from ddpkit.distributed.rendezvous import RendezvousError, join, open_store
 
 __all__ = ["DistInfo", "RendezvousError", "init_distributed", "join_job", "shutdown"]
@@ -86,6 +87,12 @@ def init_distributed(
         network: ``"auto"`` runs :func:`ddpkit.configure_network` with the
             interface that routes to the master; an interface name uses that
             one; None leaves the network variables alone.
+
+    The flight recorder of collectives is turned on for the group (a ring of
+    the last 200 per process, Gloo and NCCL) and, with NCCL, its dump on a
+    collective timeout and the error handling that ends a timed-out rank,
+    unless those variables are set (:mod:`ddpkit.distributed.recorder`). The
+    environment is put back by ``DistInfo.restore_environment``.
 
     Returns:
         A frozen :class:`DistInfo`.
@@ -183,6 +190,8 @@ def join_job(
             # One line per setting per node, not per rank: the node's first rank says it.
             first = plan.local_rank if plan.local_rank is not None else plan.rank
             net.apply(log=first == 0)
+        # The recorder of collectives, for the hang report: torch reads it at group creation.
+        before += enable_recorder(resolved)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         deadline = time.monotonic() + rendezvous_timeout.total_seconds()

@@ -19,9 +19,11 @@ import atexit
 import contextlib
 import faulthandler
 import functools
+import json
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -36,6 +38,7 @@ from ddpkit._numbers import positive_seconds
 from ddpkit.distributed.child import note_exit
 from ddpkit.distributed.comm import get_rank, get_world_size, is_dist_initialized
 from ddpkit.distributed.deadline import BoundedCalls, DeadlinePassed
+from ddpkit.distributed.hang_report import answer, render, write_report
 from ddpkit.distributed.heartbeat import UNTIMED_PHASES, Heartbeat, Judge, where
 from ddpkit.distributed.stops import HANG_EXIT_CODE
 
@@ -91,6 +94,13 @@ class HangWatchdog:
             at most ``timeout / 2`` and 5.
         prefix: the watchdog's keys in the store.
         store, rank, world_size: default those of the default process group.
+        report_dir: where rank 0 writes ``hang-report.txt`` (and each rank its
+            flight-recorder dump) on a hang or a report signal; None: the
+            report is logged only.
+        report_signal: a signal name (``"SIGUSR2"``); sent to any rank of a
+            running job, every rank answers and rank 0 writes the report
+            without stopping the job. Installed when started in the main
+            thread; None: none.
 
     Raises:
         ValueError: ``timeout`` or ``interval`` is not a usable number of
@@ -116,6 +126,8 @@ class HangWatchdog:
         store: dist.Store | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        report_dir: str | os.PathLike[str] | None = None,
+        report_signal: str | None = None,
         _exit: Callable[[int], object] = os._exit,
     ) -> None:
         seconds = positive_seconds(timeout)
@@ -130,6 +142,12 @@ class HangWatchdog:
                 f"interval must be positive seconds, at most timeout / 2 and {_MAX_INTERVAL_S:g} "
                 f"(here {most:g}), got {interval!r}; leave it out for the default"
             )
+        if report_signal is not None and not isinstance(
+            getattr(signal, str(report_signal), None), signal.Signals
+        ):
+            raise ValueError(
+                f"report_signal must be a signal name such as 'SIGUSR2', got {report_signal!r}"
+            )
         if store is not None and not is_dist_initialized() and None in (rank, world_size):
             raise ValueError("store= needs rank= and world_size= when there is no process group")
         self.timeout, self.interval = seconds, every
@@ -139,6 +157,12 @@ class HangWatchdog:
         self._judge: Judge | None = None  # rank 0's, made by start()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._report_dir = None if report_dir is None else os.fspath(report_dir)
+        self._signal = report_signal
+        self._asked = threading.Event()  # the report signal arrived here
+        self._answered = 0  # the last report request this rank answered
+        self._previous_handler: Any = None
+        self._backend: str | None = None
 
     def progress(self, step: int, phase: str) -> None:
         """Record that this rank reached ``phase`` of ``step``; cheap enough for every batch.
@@ -170,6 +194,10 @@ class HangWatchdog:
                 self._base = dist.distributed_c10d._get_default_store()
             self._rank = get_rank() if self._rank is None else self._rank
             self._world = get_world_size() if self._world is None else self._world
+            self._backend = str(dist.get_backend())
+        if self._signal is not None and threading.current_thread() is threading.main_thread():
+            number = getattr(signal, self._signal)
+            self._previous_handler = signal.signal(number, lambda *_: self._asked.set())
         self._heartbeat.rank = self._rank or 0
         if self._base is not None and not self._rank:
             self._judge = Judge(self._world or 1, self.timeout)
@@ -180,6 +208,10 @@ class HangWatchdog:
     def stop(self) -> None:
         """Stop watching; safe to call again. Returns within about 2 s."""
         self._stop.set()
+        if self._previous_handler is not None:
+            with contextlib.suppress(ValueError):  # not the main thread: leave it
+                signal.signal(getattr(signal, str(self._signal)), self._previous_handler)
+            self._previous_handler = None
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=_CALL_S + 0.5)
 
@@ -258,6 +290,7 @@ class HangWatchdog:
             said = verdict.removeprefix("hang watchdog: ")
             self._finish(f"hang watchdog: {here}, on rank 0's verdict: {said}", store, calls)
             return True
+        self._follow_requests(store, calls)
         if judge is None:
             heartbeat.follow_holds(store, calls)
             return False
@@ -267,6 +300,50 @@ class HangWatchdog:
             judge.post(store, calls, verdict)
             self._finish(verdict, store, calls)
         return verdict is not None
+
+    def _answer(self, stacks: str) -> dict[str, Any]:
+        return answer(self._rank or 0, stacks, self._backend, self._report_dir)
+
+    def _read_answers(self, store: Any, calls: BoundedCalls, tag: str) -> dict[int, Any]:
+        keys = [f"answer/{tag}/{r}" for r in range(1, self._world or 1)]
+        return {
+            int(k.rsplit("/", 1)[1]): json.loads(calls(store.get, k))
+            for k in keys
+            if calls(store.check, [k])
+        }
+
+    def _report(self, answers: dict[int, Any], reason: str) -> None:
+        """Render the answers, log the summary, write ``hang-report.txt`` when there is a place."""
+        answers = {r: answers.get(r) for r in range(self._world or 1)}
+        summary, text = render(answers, self._world or 1, reason)
+        path = None if self._report_dir is None else write_report(self._report_dir, text)
+        where = f"written to {path}" if path is not None else "not written to a file"
+        logger.error("hang report (%s):\n%s", where, summary)
+
+    def _follow_requests(self, store: Any, calls: BoundedCalls) -> None:
+        """Answer a report request (the report signal on any rank); rank 0 writes the report."""
+        if self._asked.is_set():
+            self._asked.clear()
+            number = int(calls(store.add, "report/n", 1))
+            calls(store.set, f"report/why/{number}", f"signal {self._signal} on rank {self._rank}")
+        number = int(calls(store.add, "report/n", 0))
+        if number <= self._answered:
+            return
+        self._answered = number
+        mine = self._answer(format_stacks())
+        rank = self._rank or 0
+        if rank != 0:
+            calls(store.set, f"answer/{number}/{rank}", json.dumps(mine))
+            return
+        # Rank 0 waits one heartbeat round for the others (bounded), then writes.
+        keys = [f"answer/{number}/{r}" for r in range(1, self._world or 1)]
+        calls.deadline = _monotonic() + self.interval + 2 * _CALL_S
+        with contextlib.suppress(RuntimeError):  # c10d's timeout: some did not answer
+            if keys:
+                calls(store.wait, keys, timedelta(seconds=self.interval + _CALL_S))
+        why = calls(store.get, f"report/why/{number}").decode()
+        answers = {0: mine, **self._read_answers(store, calls, str(number))}
+        self._report(answers, f"report asked by {why}; the job goes on")
 
     def _finish(self, message: str, store: Any = None, calls: BoundedCalls | None = None) -> None:
         """Log ``message`` and the stacks, answer through the store, end the process."""
@@ -294,7 +371,9 @@ class HangWatchdog:
         atexit.register(hold)
         note_exit(message)  # a launcher from ddpkit (spawn) repeats it
         logger.error("%s", message)
-        logger.error("hang watchdog: stacks of rank %d, all threads:\n%s", rank, format_stacks())
+        stacks = format_stacks()
+        logger.error("hang watchdog: stacks of rank %d, all threads:\n%s", rank, stacks)
+        mine = self._answer(stacks)
         with contextlib.suppress(Exception):  # a second channel, straight to descriptor 2
             faulthandler.dump_traceback(all_threads=True)
         for handler in [*logger.handlers, *logging.getLogger().handlers]:
@@ -303,11 +382,19 @@ class HangWatchdog:
         if calls is not None:
             calls.deadline = _monotonic() + grace
             with contextlib.suppress(DeadlinePassed, RuntimeError):
-                if rank != 0:
+                if rank != 0:  # the answer first: rank 0 reads it once it has the ack
+                    calls(store.set, f"answer/hang/{rank}", json.dumps(mine))
                     self._heartbeat.acknowledge(store, calls)
                 if waits:
                     acks = [f"ack/{r}" for r in (heard if rank == 0 else others)]
                     calls(store.wait, acks, timedelta(seconds=grace))
+        if rank == 0:
+            answers = {0: mine}
+            if calls is not None:
+                calls.deadline = _monotonic() + _CALL_S
+                with contextlib.suppress(DeadlinePassed, RuntimeError):
+                    answers.update(self._read_answers(store, calls, "hang"))
+            self._report(answers, message)
         if not self._stop.is_set():
             self._exit(HANG_EXIT_CODE)
         # Reached only where the exit function returns (tests).

@@ -67,6 +67,18 @@ def _number(kind: type, least: float, strict: bool) -> Any:
     return parse
 
 
+def _steps(text: str) -> tuple[int, int]:
+    """An argparse type: ``A:B``, optimizer steps A to B - 1."""
+    first, _, end = text.partition(":")
+    try:
+        steps = (int(first), int(end))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not A:B (two step numbers)") from None
+    if not 0 <= steps[0] < steps[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= A < B")
+    return steps
+
+
 def _classes(data: str | None) -> int | None:
     """The training set's classes, read from its index (None: no data there yet)."""
     if data is None:
@@ -312,6 +324,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_number(float, 0, True),
         metavar="SECONDS",
         help="a rank without progress this long: stacks logged, exit 124",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=_steps,
+        metavar="A:B",
+        help="record optimizer steps A to B-1 with torch.profiler into\n"
+        "LOG_DIR/profile (Perfetto, TensorBoard); off by default",
+    )
+    p.add_argument(
+        "--profile-ranks",
+        type=_number(int, 0, False),
+        nargs="+",
+        metavar="RANK",
+        help="with --profile-steps: only these ranks (default all)",
     )
     p.add_argument(
         "--max-restarts",
@@ -609,8 +635,11 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         checkpoints=checkpoints,
         resume=resume,
         report=ddpkit.ReportConfig(
-            log_dir=args.log_dir or args.checkpoints, progress=not args.demo
-        ),  # a bar on rank 0, not in the demo
+            log_dir=args.log_dir or args.checkpoints,
+            progress=not args.demo,  # a bar on rank 0, not in the demo
+            profile_steps=args.profile_steps,
+            profile_ranks=tuple(args.profile_ranks) if args.profile_ranks else None,
+        ),
         faults=ddpkit.FaultConfig(
             hang_timeout=args.hang_timeout, on_data_change=args.on_data_change.replace("-", "_")
         ),

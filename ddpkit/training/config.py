@@ -106,6 +106,17 @@ class FaultConfig:
     which a launcher's restart policy sees as a failure. None: no watchdog.
     Choose it above the slowest step, validation batch and checkpoint snapshot."""
 
+    report_signal: str | None = "SIGUSR2"
+    """With the watchdog on: a signal that, sent to any rank of the running job
+    (``kill -USR2 PID``), makes every rank that can answer send its last
+    collectives and Python stacks, and rank 0 write ``hang-report.txt``; the
+    job goes on. None: no signal is taken."""
+
+    report_dir: str | os.PathLike[str] | None = None
+    """Where ``hang-report.txt`` and each rank's flight-recorder dump (and NCCL's
+    dump on a collective timeout) go; default the checkpoint directory, else
+    ``ReportConfig.log_dir``; with neither, the report is only logged."""
+
     on_data_change: str = "error"
     """A resume from a mid-epoch checkpoint whose training set had another size
     or index (recorded in step checkpoints): ``"error"`` raises
@@ -123,6 +134,13 @@ class FaultConfig:
                     f"hang_timeout must be a positive number of seconds or None, got {timeout!r}"
                 )
             object.__setattr__(self, "hang_timeout", seconds)  # frozen: a plain float from here
+        if self.report_signal is not None:
+            StepControl(signals=(self.report_signal,))  # the same check of the name
+            if self.report_signal in self.stop_signals:
+                raise ValueError(
+                    f"report_signal {self.report_signal!r} is also a stop signal; choose another "
+                    "(SIGUSR2) or None"
+                )
         if self.on_data_change not in ("error", "next_epoch"):
             raise ValueError(
                 f"on_data_change must be 'error' or 'next_epoch', got {self.on_data_change!r}"
@@ -145,3 +163,31 @@ class ReportConfig:
     """Print one line per epoch to stdout, "resuming at ..." and "nothing to
     do ..." lines, and a summary table at the end. False: these go to the
     ``ddpkit`` logger at INFO instead."""
+
+    profile_steps: tuple[int, int] | None = None
+    """``(A, B)``: record optimizer steps A to B - 1 (counted over the run, from
+    0) with ``torch.profiler`` into ``log_dir/profile/rank<r>.stepsA-B.pt.trace.json``,
+    which Perfetto and TensorBoard's profiler open. Needs ``log_dir``. None:
+    no profiler, nothing is done per step."""
+
+    profile_ranks: tuple[int, ...] | None = None
+    """The ranks that profile ``profile_steps``; None: every rank."""
+
+    def __post_init__(self) -> None:
+        steps = self.profile_steps
+        if steps is not None:
+            if (
+                len(steps) != 2
+                or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+                or not 0 <= steps[0] < steps[1]
+            ):
+                raise ValueError(
+                    f"profile_steps must be (first, end) with 0 <= first < end, got {steps!r}"
+                )
+            if self.log_dir is None:
+                raise ValueError("profile_steps needs log_dir: the traces go to log_dir/profile")
+            object.__setattr__(self, "profile_steps", (int(steps[0]), int(steps[1])))
+        if self.profile_ranks is not None and any(
+            isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.profile_ranks
+        ):
+            raise ValueError(f"profile_ranks must be ranks (ints >= 0), got {self.profile_ranks!r}")

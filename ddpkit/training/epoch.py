@@ -9,6 +9,7 @@ on, and nothing else: the per-step cost over a hand-written loop is that call.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -29,7 +30,9 @@ from ddpkit.distributed.stops import Preempted, StepControl, Stop
 from ddpkit.position import Position
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.evaluation import Criterion, autocast, to_device
+from ddpkit.training.profiling import peak_memory_mb
 from ddpkit.training.reporting import Reporter
+from ddpkit.training.stragglers import find_straggler, gather_timings
 
 __all__ = ["Run", "TrainConfig", "TrainingError", "resume_start", "stop_now", "train_epoch"]
 
@@ -68,6 +71,7 @@ class Run:
     per_step: bool = False  # the scheduler steps after each optimizer step
     # The training set's size and index digest, recorded in step checkpoints.
     data: tuple[int | None, str | None] = (None, None)
+    profiler: Any = None  # a StepProfiler on the ranks that profile, else None
     started: set[int] = field(default_factory=set)  # loaders whose persistent workers run
 
     def tick(self, phase: str) -> None:
@@ -155,6 +159,8 @@ def train_epoch(
     config, dev, world = run.config, run.device, run.world_size
     per_rank = loader.batch_size if isinstance(loader, DataLoader) else None
     totals = _Totals.carried_over(carried or {}, dev)
+    if dev.type == "cuda":  # the record's peak memory is this epoch's
+        torch.cuda.reset_peak_memory_stats(dev)
     progress = _Progress(run.reporter, part.total, part.done, epoch, epochs, dev)
     # Samples of the epoch consumed by all ranks, as a resume counts them.
     consumed = start.samples if start is not None and start.epoch == epoch else 0
@@ -184,6 +190,8 @@ def train_epoch(
             if run.scheduler is not None and run.per_step:
                 run.scheduler.step()
             run.tick("done")
+            if run.profiler is not None:
+                run.profiler.at(run.step)
             position = Position(epoch, batch + 1, consumed, run.step, world, *run.data)
             _between_steps(run, position, last, totals.as_loop)
         progress.show(batch, last, totals)
@@ -195,7 +203,7 @@ def train_epoch(
             run.ema.update_parameters(unwrap_model(run.model))
     seconds = totals.seconds()
     progress.close(epoch)
-    return totals.record(epoch, rate, seconds, dev)
+    return totals.record(epoch, rate, seconds, dev) | {"peak_memory_mb": totals.peak_mb}
 
 
 class _Totals:
@@ -208,6 +216,7 @@ class _Totals:
     def __init__(self, loss_sum: torch.Tensor, samples: int, before: float, waited: float) -> None:
         self.loss_sum, self.samples, self.before, self.waited = loss_sum, samples, before, waited
         self.began = time.perf_counter()
+        self.peak_mb = 0.0
 
     @classmethod
     def carried_over(cls, carried: dict[str, Any], dev: torch.device) -> _Totals:
@@ -257,7 +266,11 @@ class _Totals:
             torch.cat([self.loss_sum[None], torch.tensor(counts, device=dev, dtype=torch.float64)])
         )
         global_samples = int(total[1].item())
-        return {
+        self.peak_mb = peak_memory_mb(dev)
+        ranks = _ranks_apart(self.waited, seconds, self.peak_mb)
+        if ranks:
+            self.peak_mb = max(ranks.pop("rank_peak_mb"))
+        return ranks | {
             "epoch": epoch + 1,  # what a person reads counts from 1: the bar, lines, files
             "train_loss": float(total[0].item()) / max(global_samples, 1),
             "train_samples": global_samples,
@@ -266,6 +279,25 @@ class _Totals:
             "seconds": seconds,
             "data_wait": float(total[2].item()) / max(float(total[3].item()), 1e-9),
         }
+
+
+def _ranks_apart(waited: float, seconds: float, peak_mb: float) -> dict[str, Any]:
+    """Each rank's data wait and compute, their spread, and the straggler: one gather per epoch.
+
+    Nothing (and no collective) in a single process. All ranks must call this, or it deadlocks.
+    """
+    if comm.get_world_size() < 2:
+        return {}
+    timings = gather_timings(waited, seconds, peak_mb)
+    totals = [t["data_s"] + t["compute_s"] for t in timings]
+    middle = statistics.median(totals)
+    return {
+        "rank_data_s": [t["data_s"] for t in timings],
+        "rank_compute_s": [t["compute_s"] for t in timings],
+        "rank_spread": (max(totals) - min(totals)) / middle if middle > 0 else 0.0,
+        "straggler": find_straggler(timings),
+        "rank_peak_mb": [t["peak_mb"] for t in timings],
+    }
 
 
 class _Progress:

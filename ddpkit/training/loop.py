@@ -37,7 +37,9 @@ from ddpkit.checkpoint.sync import claim_directory
 from ddpkit.data.resume import data_identity
 from ddpkit.distributed import comm
 from ddpkit.distributed.devices import module_device
+from ddpkit.distributed.job import restore_environ
 from ddpkit.distributed.parallel import sync_buffers
+from ddpkit.distributed.recorder import point_dumps
 from ddpkit.distributed.stops import StepControl
 from ddpkit.position import Position
 from ddpkit.training.config import FaultConfig, ReportConfig
@@ -51,6 +53,7 @@ from ddpkit.training.epoch import (
     train_epoch,
 )
 from ddpkit.training.evaluation import Criterion, evaluate
+from ddpkit.training.profiling import StepProfiler
 from ddpkit.training.reporting import Reporter
 
 __all__ = [
@@ -222,7 +225,17 @@ def fit(
                 HangWatchdog,  # its thread and store client: only if asked
             )
 
-            watchdog = stack.enter_context(HangWatchdog(timeout=faults.hang_timeout))
+            where = faults.report_dir or (checkpoints.directory if checkpoints else report.log_dir)
+            if where is not None and dev.type == "cuda":
+                restore = point_dumps(where)  # NCCL's own dump on a collective timeout
+                stack.callback(restore_environ, restore)
+            watchdog = stack.enter_context(
+                HangWatchdog(
+                    timeout=faults.hang_timeout,
+                    report_dir=where,
+                    report_signal=faults.report_signal,
+                )
+            )
         reporter = Reporter(report, is_main=comm.is_main_process())
         stack.callback(reporter.close)
         header = _header(
@@ -256,6 +269,13 @@ def fit(
             ema,
             per_step,
         )
+        steps = report.profile_steps
+        if steps is not None and (report.profile_ranks is None or rank in report.profile_ranks):
+            assert report.log_dir is not None  # ReportConfig checks it
+            where = os.path.join(report.log_dir, "profile")
+            run.profiler = StepProfiler(steps[0], steps[1], where, rank, dev)
+            stack.callback(run.profiler.close)  # a run that ends inside the range
+            run.profiler.at(run.step)
         if checkpoints is not None:
             run.data = data_identity(getattr(train_loader, "dataset", None))
         try:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.training.config import ReportConfig
+from ddpkit.training.stragglers import straggler_text
 
 __all__ = ["DATA_WAIT_WARNING", "ReportConfig", "Reporter", "epoch_line"]
 
@@ -58,8 +59,17 @@ def epoch_line(record: dict[str, Any], epochs: int | None = None) -> str:
         parts.append(f"data wait {wait:.0%}")
     if "wall_seconds" in record:
         parts.append(f"{record['wall_seconds']:.1f} s")
+    data_s = record.get("rank_data_s")
+    if isinstance(data_s, list) and data_s:
+        parts.append(
+            f"ranks: spread {record.get('rank_spread', 0.0):.0%}, "
+            f"data wait {min(data_s):.1f}-{max(data_s):.1f} s"
+        )
     of = f"/{epochs}" if epochs is not None else ""
     line = f"epoch {record['epoch']}{of}: " + ", ".join(parts)
+    straggler = record.get("straggler")
+    if isinstance(straggler, dict):
+        line += "; " + straggler_text(straggler)
     if isinstance(wait, float) and wait > DATA_WAIT_WARNING:
         line += (
             f"; data loading is the bottleneck ({wait:.0%} of the time waiting for batches): "

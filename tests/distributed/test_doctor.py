@@ -55,6 +55,8 @@ _NAMES = [
     "GLOO_SOCKET_IFNAME",
     "InfiniBand",
     "NCCL_DEBUG",
+    "flight recorder",
+    "on a hang",
     "master port",
 ]
 
@@ -392,3 +394,19 @@ def test_doctor_shows_what_configure_network_applies(
     for name, check in where.items():
         if name not in applied:  # kept from the environment, or nothing to set
             assert "init_distributed sets" not in _check(checks, check).detail, name
+
+
+def test_the_recorder_and_what_a_hang_does_are_reported(free_port: int, no_ib: str) -> None:
+    plain = {c.name: c for c in run_checks(master_port=free_port, environ={}, ib_sysfs=no_ib)}
+    assert plain["flight recorder"].status == "OK"
+    assert (
+        "200 collectives per process (init_distributed's default)"
+        in plain["flight recorder"].detail
+    )
+    assert "hang-report.txt" in plain["on a hang"].detail
+    env = {"TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    off = {c.name: c for c in run_checks(master_port=free_port, environ=env, ib_sysfs=no_ib)}
+    assert off["flight recorder"].status == "WARN"
+    assert "TORCH_FR_BUFFER_SIZE" in off["flight recorder"].fix
+    assert off["on a hang"].status == "WARN"
+    assert "may wait for ever" in off["on a hang"].detail

@@ -444,3 +444,12 @@ def test_the_modern_recipe_trains_resumes_and_reports(tmp_path: Path) -> None:
     state = ddpkit.load_checkpoint(ckpt / "latest.pth")
     assert state["ema"] is not None
     assert int(state["ema"]["n_averaged"]) == 18
+
+
+def test_profile_steps_are_a_to_b_and_off_by_default() -> None:
+    assert example.parse_args(["--data", "d"]).profile_steps is None
+    args = example.parse_args(["--data", "d", "--profile-steps", "10:12", "--profile-ranks", "0"])
+    assert (args.profile_steps, args.profile_ranks) == ((10, 12), [0])
+    for bad in ("12:10", "10", "a:b"):
+        with pytest.raises(SystemExit):
+            example.parse_args(["--data", "d", "--profile-steps", bad])

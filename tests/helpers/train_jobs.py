@@ -26,6 +26,7 @@ from ddpkit import (
     model_ema,
     wrap_ddp,
 )
+from ddpkit.training.reporting import epoch_line
 
 
 class NoisyBlobs(Dataset[tuple[torch.Tensor, int]]):
@@ -226,3 +227,38 @@ def validated_run(rank: int, world_size: int, directory: str, ema: bool) -> dict
             fresh.load_state_dict(load_checkpoint(path))
             files[path.name] = evaluate(fresh, val, criterion=criterion, normalize=None)
     return {"records": history.records, "after": after, "files": files}
+
+
+class SlowBlobs(NoisyBlobs):
+    """NoisyBlobs that take ``seconds`` to read each sample: a slow disk."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(n=32, augment=False)
+        self.seconds = seconds
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        time.sleep(self.seconds)
+        return super().__getitem__(index)
+
+
+def straggler_run(rank: int, world_size: int) -> list[list[Any]]:
+    """fit() on 2 ranks: 3 balanced epochs, then 1 in which rank 1 reads 3x slower.
+
+    Returns each run's records' ``straggler`` fields and epoch lines.
+    """
+    out = []
+    for epochs, slow in ((3, 1.0), (1, 3.0)):
+        seconds = 0.01 * (slow if rank == 1 else 1.0)
+        loader = build_loader(SlowBlobs(seconds), 4, train=True, workers=0, seed=0)
+        model = wrap_ddp(nn.Linear(8, 3), sync_bn=False)
+        history = fit(
+            model,
+            loader,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(),
+            epochs=epochs,
+            config=TrainConfig(normalize=None),
+            report=ReportConfig(progress=False, verbose=False),
+        )
+        out.append([[r["straggler"], r["rank_spread"], epoch_line(r)] for r in history.records])
+    return out
