@@ -74,6 +74,7 @@ class Beat:
     stamp: float  # the rank's monotonic clock at that report
     armed: bool  # timed: the first step finished and the phase is not untimed
     idle: float  # seconds from the report to publishing it: never before the truth
+    count: int = 0  # heartbeats the rank sent so far: a silent rank's stops changing
 
     def point(self) -> tuple[int, int]:
         """Its place in the loop's order: who is furthest behind has the lowest."""
@@ -94,6 +95,7 @@ class Heartbeat:
         # When some rank was last seen in an untimed phase, on this rank's clock.
         self.held_at = -math.inf
         self._holds = 0
+        self._count = 0
 
     def progress(self, step: int, phase: str) -> None:
         """Record that this rank reached ``phase`` of ``step``."""
@@ -107,7 +109,8 @@ class Heartbeat:
 
     def publish(self, store: Any, calls: BoundedCalls, step: int, phase: str, stamp: float) -> None:
         """Write this rank's :class:`Beat` to ``hb/<rank>``."""
-        beat = Beat(step, phase, stamp, self.timed(phase), _monotonic() - stamp)
+        self._count += 1
+        beat = Beat(step, phase, stamp, self.timed(phase), _monotonic() - stamp, self._count)
         calls(store.set, f"hb/{self.rank}", json.dumps(asdict(beat)))
 
     def verdict(self, store: Any, calls: BoundedCalls) -> str | None:
@@ -145,6 +148,8 @@ class Judge:
         self.held_at = -math.inf  # when some rank was last seen in an untimed phase
         self._stamps: dict[int, float] = {}  # each rank's last progress stamp ...
         self._since: dict[int, float] = {}  # ... and when, on rank 0's clock, it was made
+        self._counts: dict[int, int] = {}  # each rank's heartbeat count ...
+        self._beating: dict[int, float] = {}  # ... and when rank 0 last saw it change
 
     def judge(self, store: Any, calls: BoundedCalls) -> str | None:
         """Read the heartbeats; the verdict once an armed rank made no progress for ``timeout``."""
@@ -155,8 +160,15 @@ class Judge:
             if beat.stamp != self._stamps.get(r):
                 self._stamps[r], self._since[r] = beat.stamp, since
             self._since[r] = min(self._since[r], since)
+            if beat.count != self._counts.get(r):
+                self._counts[r], self._beating[r] = beat.count, now
         self.heard = [r for r in beats if r != 0]
-        if any(b.phase in UNTIMED_PHASES for b in beats.values()):
+        # A rank starting its workers holds every clock, while its heartbeat goes on:
+        # one stopped (SIGSTOP) or frozen there must not hold them for ever.
+        if any(
+            b.phase in UNTIMED_PHASES and now - self._beating[r] <= self.timeout
+            for r, b in beats.items()
+        ):
             self.held_at = now
             calls(store.add, "held", 1)  # the other ranks hold their own clocks too
         stale = max(

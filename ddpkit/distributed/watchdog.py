@@ -78,8 +78,9 @@ class HangWatchdog:
     It arms at the first ``"done"``: a slow first step (compilation, autotune,
     worker start) never trips it. Phases in :data:`UNTIMED_PHASES` (a loader
     starting its workers, train or validation, any epoch) are never timed:
-    while any rank is in one, no rank's clock runs, and each rank's starts
-    again when it is over. Rank 0 decides by ``timeout + 2 * (interval
+    while any rank is in one (and its heartbeat goes on: a rank stopped there
+    holds nobody past ``timeout``), no rank's clock runs, and each rank's
+    starts again when it is over. Rank 0 decides by ``timeout + 2 * (interval
     + 2)`` s after the stall; every rank then logs its stacks and calls
     ``os._exit(124)``. A rank that cannot reach the store exits by itself after
     ``timeout`` s without progress, one that hears nothing from rank 0 after

@@ -133,7 +133,25 @@ def test_the_beat_on_the_store_is_the_contract(clock: _Clock, calls) -> None:
     clock.now += 0.25
     beat.publish(store, calls, *beat.last)
     fields = json.loads(store.get("hb/5"))
-    assert Beat(**fields) == Beat(3, "done", 1000.0, True, 0.25)
+    assert Beat(**fields) == Beat(3, "done", 1000.0, True, 0.25, count=1)
     beat.acknowledge(store, calls)
     assert store.get("ack/5") == b"1"
     assert Heartbeat(0).timed("compute") is False  # not armed before the first "done"
+
+
+def test_a_rank_silent_in_an_untimed_phase_holds_the_clocks_only_for_a_timeout(
+    clock: _Clock, calls
+) -> None:
+    store = dist.HashStore()
+    ranks, judge = [Heartbeat(r) for r in range(2)], Judge(2, timeout=5.0)
+    ranks[0].progress(1, "done")
+    ranks[0].progress(1, "compute")  # waits for rank 1 in its collective
+    _beat_all(store, calls, ranks)  # rank 1: "start", then stopped (SIGSTOP) for good
+    findings = []
+    for _ in range(8):
+        clock.now += 2.0
+        ranks[0].publish(store, calls, *ranks[0].last)  # only rank 0 still beats
+        findings.append(judge.judge(store, calls))
+    assert findings[:2] == [None, None]  # held while rank 1 might still be starting
+    finding = next(f for f in findings if f is not None)
+    assert "rank(s) 1 stopped at step 0 (before its first progress report)" in finding
