@@ -30,7 +30,15 @@ import torch
 from ddpkit._docs import see
 from ddpkit.distributed.recorder import dump_prefix, local_history
 
-__all__ = ["REPORT_FILE", "answer", "first_disagreement", "render", "write_report"]
+__all__ = [
+    "REPORT_FILE",
+    "answer",
+    "first_disagreement",
+    "is_collective_failure",
+    "render",
+    "report_collective_failure",
+    "write_report",
+]
 
 REPORT_FILE = "hang-report.txt"
 _KEPT = 12  # collectives per process group and rank carried in an answer
@@ -113,15 +121,20 @@ def _collectives(
 
 
 def answer(
-    rank: int, stacks: str, backend: str | None = None, directory: str | None = None
+    rank: int,
+    stacks: str,
+    backend: str | None = None,
+    directory: str | None = None,
+    frames: bool = False,
 ) -> dict[str, Any]:
     """This rank's answer: host, process, last collectives and Python ``stacks``.
 
     With ``directory``, also writes torch's own dump of the recorder there
     (``flight-recorder/rank_<rank>``) for PyTorch's analyzer. Never raises
-    for a missing recorder: the answer then carries no collectives.
+    for a missing recorder: the answer then carries no collectives. ``frames``
+    (main thread only) reads each collective's stack from the recorder itself.
     """
-    trace = local_history(backend)
+    trace = local_history(backend, frames=frames)
     if trace is not None and directory is not None:
         path = Path(dump_prefix(directory) + str(rank))
         try:
@@ -248,9 +261,41 @@ def render(
     return summary, summary + "\n" + "\n".join(stacks)
 
 
-def write_report(directory: str | os.PathLike[str], text: str) -> Path | None:
-    """Write ``hang-report.txt`` in ``directory``; its path, or None when it cannot be written."""
-    path = Path(directory) / REPORT_FILE
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that timed out or lost a peer (c10d, Gloo, NCCL)."""
+    if isinstance(error, torch.distributed.DistError):
+        return True
+    text = str(error).lower()  # older torch raises a plain RuntimeError from the backend
+    return isinstance(error, RuntimeError) and any(m in text for m in ("gloo", "nccl", "c10d"))
+
+
+def report_collective_failure(
+    directory: str | os.PathLike[str],
+    rank: int,
+    world_size: int,
+    error: BaseException,
+    backend: str | None = None,
+) -> Path | None:
+    """On a rank whose collective failed: its own report, ``hang-report-rank<rank>.txt``.
+
+    The peers may be gone or stuck, so no rank waits for another's answer: each
+    writes what it knows (its last collectives, with the line that issued each,
+    and its stack) and says that the others did not answer here. Call it from
+    the main thread, in the ``except`` that caught ``error``. Its path, or None
+    when it cannot be written.
+    """
+    stacks = "".join(traceback.format_exception(error))
+    mine = answer(rank, stacks, backend, str(directory), frames=True)
+    reason = f"a collective failed on rank {rank}: {type(error).__name__}: {error}".strip()
+    _, text = render({rank: mine}, world_size, reason.splitlines()[0])
+    return write_report(directory, text, name=f"hang-report-rank{rank}.txt")
+
+
+def write_report(
+    directory: str | os.PathLike[str], text: str, name: str = REPORT_FILE
+) -> Path | None:
+    """Write ``hang-report.txt`` (or ``name``) in ``directory``; its path, or None if it cannot."""
+    path = Path(directory) / name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

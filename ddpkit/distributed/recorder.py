@@ -118,10 +118,11 @@ def recorder_state(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     }
 
 
-def local_history(backend: str | None = None) -> dict[str, Any] | None:
+def local_history(backend: str | None = None, frames: bool = False) -> dict[str, Any] | None:
     """This process's flight-recorder buffer as torch dumps it (a dict), or None when empty/off.
 
-    Safe from any thread; the entries carry no stack frames.
+    Safe from any thread without ``frames``; with them (each entry's stack), call
+    it from the main thread only.
 
     ``backend="nccl"`` reads NCCL's recorder, any other the one Gloo uses.
     """
@@ -135,7 +136,7 @@ def local_history(backend: str | None = None) -> dict[str, Any] | None:
         # Our own process's buffer, pickled by torch: plain dicts, lists and numbers. Without
         # its stack traces: symbolizing them from a thread other than the main one blocks
         # for good in torch 2.14 (the hang report reads the main thread's stack instead).
-        raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+        raw = dump(includeCollectives=True, includeStackTraces=frames, onlyActive=False)
         trace: dict[str, Any] = pickle.loads(raw)
     except (RuntimeError, pickle.UnpicklingError):
         return None

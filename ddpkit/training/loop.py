@@ -37,6 +37,7 @@ from ddpkit.checkpoint.sync import claim_directory
 from ddpkit.data.resume import data_identity
 from ddpkit.distributed import comm
 from ddpkit.distributed.devices import module_device
+from ddpkit.distributed.hang_report import is_collective_failure, report_collective_failure
 from ddpkit.distributed.job import restore_environ
 from ddpkit.distributed.parallel import sync_buffers
 from ddpkit.distributed.recorder import point_dumps
@@ -289,9 +290,14 @@ def fit(
             if checkpoints is not None:
                 checkpoints.flush()  # every rank learns whether the last write failed
             reporter.finish(history.records)
-        except BaseException:
+        except BaseException as error:
             if checkpoints is not None:
                 checkpoints.wait(raise_error=False)  # the file being written is completed
+            where = faults.report_dir or (checkpoints.directory if checkpoints else report.log_dir)
+            if world > 1 and where is not None and is_collective_failure(error):
+                path = report_collective_failure(where, rank, world, error, dist.get_backend())
+                if path is not None:
+                    logger.error("rank %d: its last collectives and stack: %s", rank, path)
             raise
     return history
 

@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddpkit.distributed.hang_report import REPORT_FILE, first_disagreement, render
 from ddpkit.distributed.rendezvous import free_port
+from ddpkit.testing import DistributedTestError, run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "helpers" / "hang_jobs.py"
@@ -169,3 +171,49 @@ def test_ranks_that_agree_have_no_disagreement_and_the_report_says_so() -> None:
     assert first_disagreement(answers) is None
     summary, _ = render(answers, 2, "test")
     assert "no disagreement: every rank entered the same collectives" in summary
+
+
+class _DiesOnRank1(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """Eight samples a rank; rank 1's process ends at its fourth read."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.reads = rank, 0
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        self.reads += 1
+        if self.rank == 1 and self.reads == 4:
+            os._exit(7)  # a lost node: no error, no goodbye
+        return torch.full((4,), float(index)), index % 2
+
+
+def _fit_until_a_peer_dies(rank: int, world_size: int, directory: str) -> None:
+    from ddpkit import CheckpointManager, build_loader, fit, wrap_ddp
+    from ddpkit.training.config import ReportConfig, TrainConfig
+
+    torch.manual_seed(0)
+    model = wrap_ddp(torch.nn.Linear(4, 2))
+    loader = build_loader(_DiesOnRank1(rank), batch_size=1, train=True, workers=0)
+    fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=torch.nn.CrossEntropyLoss(),
+        epochs=1,
+        checkpoints=CheckpointManager(directory),
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(progress=False),
+    )
+
+
+def test_a_collective_that_loses_its_peer_leaves_that_ranks_report(tmp_path: Path) -> None:
+    with pytest.raises(DistributedTestError):
+        run_distributed(_fit_until_a_peer_dies, 2, args=(str(tmp_path),), timeout=90)
+    text = (tmp_path / "hang-report-rank0.txt").read_text()
+    assert "why: a collective failed on rank 0" in text
+    assert "ranks that did not answer (stopped, dead or unreachable): 1" in text
+    assert "all_reduce" in text  # DDP's gradient all-reduce, where rank 1 went missing
+    assert "===== rank 0" in text
+    assert "Traceback" in text
