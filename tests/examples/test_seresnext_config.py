@@ -66,7 +66,7 @@ def test_a_bad_file_is_one_line_naming_the_key(
 
 def test_load_config_refuses_other_kinds_and_bad_syntax(tmp_path: Path) -> None:
     (tmp_path / "c.json").write_text("{}")
-    with pytest.raises(ValueError, match="ends in .yaml, .yml or .toml"):
+    with pytest.raises(ValueError, match=r"ends in \.yaml, \.yml or \.toml"):
         load_config(str(tmp_path / "c.json"))
     (tmp_path / "c.toml").write_text("lr = \n")
     with pytest.raises(ValueError, match="not valid TOML"):

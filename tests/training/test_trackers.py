@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,7 +42,7 @@ def _tracker_env(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 1-rank job killed after logging epoch 2, resumed to 4 epochs on 2 ranks."""
     root = tmp_path_factory.mktemp("trackers")
     env = {**os.environ, **_tracker_env(root), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests/helpers'}"}
@@ -54,7 +53,7 @@ def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
         for key, value in _tracker_env(root).items():
             mp.setenv(key, value)
         run_distributed(tracker_job, 2, args=(str(root), 4, True), timeout=240)
-    yield root
+    return root
 
 
 def _jsonl(root: Path) -> dict[int, float]:
