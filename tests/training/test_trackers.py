@@ -114,7 +114,7 @@ def _wandb_records(path: Path) -> list[bytes]:
 @pytest.mark.xfail(
     strict=True,
     reason="offline W&B loses the history a SIGKILLed process had not flushed (epochs 1-2 "
-    "here), and the ledger counts them as logged: open, see the CHANGELOG",
+    "here), and the ledger counts them as logged: not yet handled",
 )
 def test_wandb_holds_one_run_with_every_epoch_once(killed_then_resumed: Path) -> None:
     from wandb.proto import wandb_internal_pb2 as pb
