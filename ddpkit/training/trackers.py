@@ -9,8 +9,12 @@ A job that is killed, preempted, requeued or restarted continues the *same*
 tracker run: the run ids go into every checkpoint (``fit`` passes
 :meth:`Trackers.runs` as the save's ``extra``), and the ledger
 ``trackers.json`` in ``log_dir`` holds the last epoch each run received, so
-an epoch retrained after a resume is not logged twice. A tracker that raises
-(a server down, a full disk) is dropped with one warning; training goes on.
+an epoch retrained after a resume is not logged twice. W&B writes its run
+file in the background (every 15 s): an epoch it received stays *pending* in
+the ledger, with its values and step, until its run file on disk holds it;
+a job killed before that re-sends the pending epochs when it resumes, once.
+A tracker that raises (a server down, a full disk) is dropped with one
+warning; training goes on.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def _numbers(record: Mapping[str, Any]) -> dict[str, float]:
 
 class _TensorBoard:
     name = "tensorboard"
+    durable = True  # log() returns once its events are flushed to disk
 
     def __init__(self, log_dir: Path, project: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -88,6 +93,7 @@ class _TensorBoard:
 
 class _Mlflow:
     name = "mlflow"
+    durable = True  # log() returns once the tracking store holds the metrics
 
     def __init__(self, log_dir: Path, project: str) -> None:
         from mlflow import MlflowClient
@@ -139,8 +145,43 @@ class _Mlflow:
             self.client.set_terminated(self.run_id, status="FINISHED")
 
 
+def _wandb_epochs(path: Path) -> set[int]:
+    """The epochs of the history rows a W&B run file (``run-<id>.wandb``) holds.
+
+    The file is LevelDB's log format (32 KiB blocks of framed records); a torn
+    last record, as a killed process leaves it, is not counted.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    data, epochs, pending, pos = path.read_bytes(), set(), b"", 7  # after the ":W&B" header
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:  # a block's tail too short for a frame: padding
+            pos += left
+            continue
+        size, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + size], pos + 7 + size
+        if len(chunk) < size:
+            break  # torn
+        if kind in (2, 3):  # first or middle piece of a record
+            pending += chunk
+            continue
+        whole, pending = (pending + chunk if kind == 4 else chunk), b""
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+        try:
+            record.ParseFromString(whole)
+        except Exception:  # a damaged record: its epoch is not confirmed
+            continue
+        if record.WhichOneof("record_type") == "history":
+            for item in record.history.item:
+                if (item.key or "/".join(item.nested_key)) == "epoch":
+                    epochs.add(int(float(item.value_json)))
+    return epochs
+
+
 class _Wandb:
     name = "wandb"
+    durable = False  # its run file is written in the background: confirmed()
 
     def __init__(self, log_dir: Path, project: str) -> None:
         import wandb
@@ -160,7 +201,18 @@ class _Wandb:
         return str(self.run.id)
 
     def log(self, values: dict[str, float], step: int) -> None:
-        self.run.log(values, step=step)
+        self.run.log(values, step=step, commit=True)  # without commit the row waits for the next
+
+    def confirmed(self) -> set[int]:
+        """The epochs that this run's files on disk hold, of this job and the ones before."""
+        wandb_dir = Path(self.run.settings.sync_dir).parent
+        held: set[int] = set()
+        for path in wandb_dir.glob(f"*-{self.run.id}/run-{self.run.id}.wandb"):
+            try:
+                held |= _wandb_epochs(path)
+            except OSError:
+                continue
+        return held
 
     def finish(self, best: str | None, picture: Path | None, step: int) -> None:
         if best is not None:
@@ -193,7 +245,9 @@ class Trackers:
         self._open: dict[str, Any] = {}
         self._names = [n for n in names if n != "tensorboard" or self.log_dir is not None]
         self._runs: dict[str, str] = {}
-        self._logged: dict[str, int] = {}  # the last epoch each run holds
+        self._logged: dict[str, int] = {}  # the last epoch each run received
+        # Epochs a tracker received but has not confirmed on disk: [epoch, step, values].
+        self._pending: dict[str, list[list[Any]]] = {}
         self._step = 0
 
     def start(
@@ -219,9 +273,27 @@ class Trackers:
                 continue
             self._open[name] = tracker
             entry = ledger.get(name) or {}
-            known = entry.get("epoch") if entry.get("id") == self._runs[name] else None
+            same = entry.get("id") == self._runs[name]
+            known = entry.get("epoch") if same else None
             self._logged[name] = max(done_epochs if run_id else 0, int(known or 0))
+            pending = entry.get("pending") if same else None
+            self._pending[name] = list(pending) if isinstance(pending, list) else []
+            self._resend(name, tracker)
         return dict(self._runs)
+
+    def _resend(self, name: str, tracker: Any) -> None:
+        """Log again the pending epochs the run's files do not hold (a killed job lost them)."""
+        if not self._pending[name]:
+            return
+        try:
+            held = tracker.confirmed()
+            for epoch, step, values in self._pending[name]:
+                if epoch not in held:
+                    tracker.log(values, step)
+        except Exception as exc:
+            self._failed(name, "could not log again the epochs its killed job lost", exc)
+            return
+        self._write_ledger()
 
     def runs(self) -> dict[str, str]:
         """``{tracker: run id}`` of the runs opened (what checkpoints record)."""
@@ -238,6 +310,10 @@ class Trackers:
                 continue  # logged before the job stopped: a resumed run does not repeat it
             try:
                 tracker.log(values, step)
+                if not tracker.durable:
+                    self._pending[name].append([epoch, step, values])
+                    held = tracker.confirmed()
+                    self._pending[name] = [p for p in self._pending[name] if p[0] not in held]
             except Exception as exc:
                 self._failed(name, f"could not log epoch {epoch}", exc)
                 continue
@@ -260,7 +336,10 @@ class Trackers:
                 tracker.close(finished)
             except Exception as exc:
                 self._failed(name, "could not close its run", exc)
+                continue
+            self._pending[name] = []  # closing wrote the run's files whole
         self._open.clear()
+        self._write_ledger()
 
     def _failed(self, name: str, what: str, exc: BaseException) -> None:
         """Drop tracker ``name`` with one warning; the run goes on without it."""
@@ -289,7 +368,10 @@ class Trackers:
     def _write_ledger(self) -> None:
         if self.log_dir is None or not self._runs:
             return
-        data = {n: {"id": i, "epoch": self._logged.get(n, 0)} for n, i in self._runs.items()}
+        data = {
+            n: {"id": i, "epoch": self._logged.get(n, 0), "pending": self._pending.get(n, [])}
+            for n, i in self._runs.items()
+        }
         path = self.log_dir / LEDGER
         try:
             path.with_suffix(".tmp").write_text(json.dumps(data), encoding="utf-8")

@@ -247,9 +247,10 @@ def tracker_job(
     torch.manual_seed(1234)
     info = DistInfo(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", True)
     model = wrap_ddp(small_net())
-    # The global batch stays 16 on any number of ranks, so the global step means the same.
+    # The global batch stays 16 on any number of ranks, so the global step means the same:
+    # 2 steps an epoch.
     loader = build_loader(
-        NoisyBlobs(), global_batch_size=16, train=True, workers=0, seed=5, info=info
+        NoisyBlobs(n=32), global_batch_size=16, train=True, workers=0, seed=5, info=info
     )
 
     def kill(record: dict[str, Any]) -> None:
