@@ -59,6 +59,7 @@ _SERIAL = (
     "examples/test_seresnext_lmdb.py",
     "examples/test_seresnext_lmdb_faults.py",
     "examples/test_seresnext_setup.py",
+    "training/test_trackers.py",
     "test_launch.py",
     "test_testing.py",
     "test_wheel.py",

@@ -93,6 +93,7 @@ class CheckpointManager:
         position: where the resumed checkpoint stood (:meth:`resume`), or None.
         resumed_from: the file :meth:`resume` loaded (on the rank that read it), or None.
         loop: what the training loop stored with the resumed checkpoint, one entry per rank.
+        resumed_extra: the resumed checkpoint's ``extra`` (this manager's and its save's).
         latest_path: ``directory / "latest.pth"``.
         interrupted_path: ``directory / "interrupted.pth"``.
 
@@ -143,6 +144,7 @@ class CheckpointManager:
         self.resumed_from: Path | None = None
         self.resumed_checkpoint: str | None = None  # the same on every rank, for messages
         self.loop: list[Any] | None = None
+        self.resumed_extra: dict[str, Any] = {}
         self._generation: int | None = None
         self._step = 0
         self._latest_damaged = False
@@ -457,6 +459,7 @@ class CheckpointManager:
             expected=self.extra,
         )
         self.position, self.loop = restored.position, restored.loop
+        self.resumed_extra = restored.extra or {}
         self.best_acc1, self._best_epoch = restored.best_acc1, restored.best_epoch
         self._step = self.position.step
         # An explicit file may be older than the newest: what follows is a new line of saves.

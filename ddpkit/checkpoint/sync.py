@@ -306,6 +306,7 @@ class Restored:
     loop: list[Any] | None
     best_acc1: float | None
     best_epoch: int | None
+    extra: dict[str, Any] | None = None
 
 
 def check_extra(name: str, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
@@ -397,7 +398,14 @@ def restore_state(
     training.load(state)
     if saved == now:
         restore_rng_state(state["rng"][get_rank()])
-    return Restored(position, state.get("loop"), state.get("best_acc1"), state.get("best_epoch"))
+    extra = state.get("extra")
+    return Restored(
+        position,
+        state.get("loop"),
+        state.get("best_acc1"),
+        state.get("best_epoch"),
+        extra if isinstance(extra, dict) else None,
+    )
 
 
 def _check_rng_list(rng: Any, world_size: int) -> None:

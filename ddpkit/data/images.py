@@ -15,9 +15,11 @@ builder and ``verify`` (``--max-pixels``) sets another.
 
 from __future__ import annotations
 
+import functools
 import io
 import numbers
 import struct
+from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
@@ -26,12 +28,6 @@ from PIL import Image, UnidentifiedImageError
 
 from ddpkit._docs import see
 from ddpkit.data.image_checks import check_png, check_tiff_strips, restart_intervals
-
-try:  # torchvision's codecs are announced to move to TorchCodec; Pillow still decodes.
-    from torchvision.io import ImageReadMode
-    from torchvision.io import decode_image as _tv_decode
-except ImportError:  # pragma: no cover - only without torchvision.io's image codecs
-    _tv_decode = None
 
 __all__ = [
     "Check",
@@ -44,6 +40,7 @@ __all__ = [
     "image_size",
     "pixel_limit",
     "prepare_image",
+    "tensor_decoders",
 ]
 
 Check = Literal["none", "header", "decode"]
@@ -128,15 +125,93 @@ def _open(raw: Buffer) -> Image.Image:
     raise UnidentifiedImageError("cannot identify image file")
 
 
+Decoder = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _load_decoders(library: str) -> dict[str, Decoder] | None:
+    """The JPEG and WebP decoders of ``library`` (``"torchcodec"`` or ``"torchvision"``),
+    each taking the encoded bytes as a uint8 tensor and giving ``3 x H x W`` RGB (or
+    ``N x 3 x H x W`` for an animated WebP); None where ``library`` cannot decode here."""
+    if library == "torchcodec":
+        # TorchCodec's image decoders (0.16+) are built against torch 2.11+; with an older
+        # torch its native library does not load (or worse), so it is not even imported.
+        if torch.torch_version.TorchVersion(torch.__version__) < "2.11":
+            return None
+        try:
+            from torchcodec.decoders import decode_jpeg, decode_webp
+        except Exception:  # not installed, or its native library does not load with this torch
+            return None
+
+        def jpeg(data: torch.Tensor) -> torch.Tensor:
+            image = decode_jpeg(data, mode="RGB")
+            assert isinstance(image, torch.Tensor)  # one source in, one image out
+            return image
+
+        return {"jpeg": jpeg, "webp": functools.partial(decode_webp, mode="RGB")}
+    try:
+        from torchvision.io import ImageReadMode, decode_image
+    except ImportError:  # a torchvision without its image codecs
+        return None
+    rgb = functools.partial(decode_image, mode=ImageReadMode.RGB)
+    return {"jpeg": rgb, "webp": rgb}
+
+
+@functools.cache
+def tensor_decoders() -> tuple[str, dict[str, Decoder]]:
+    """The library :func:`decode_tensor` decodes JPEG and WebP with, and its decoders.
+
+    TorchCodec where it is installed and loads with this torch, else
+    torchvision.io (whose image codecs torchvision 0.29 deprecated in favour of
+    TorchCodec), else ``("pillow", {})``: Pillow decodes everything. Decided
+    once per process; the builder, ``verify`` and the dataset all ask here.
+    """
+    for library in ("torchcodec", "torchvision"):
+        decoders = _load_decoders(library)
+        if decoders is not None:
+            return library, decoders
+    return "pillow", {}
+
+
+# EXIF orientation -> the flips that undo it (then a transpose for 5-8). TorchCodec
+# applies the orientation, which neither decode_pil nor torchvision's decoder did:
+# undone, every path sees the stored pixels, as ImageFolder's loader does.
+_FLIP_X, _FLIP_Y, _FLIP_XY = (-1,), (-2,), (-2, -1)
+_UNDO_ORIENTATION = {
+    2: _FLIP_X,
+    3: _FLIP_XY,
+    4: _FLIP_Y,
+    5: (),
+    6: _FLIP_X,
+    7: _FLIP_XY,
+    8: _FLIP_Y,
+}
+
+
+def _orientation(header: Image.Image) -> int:
+    """The EXIF orientation tag (1: as stored); from the EXIF block only, as TorchCodec
+    reads it (Pillow's ``getexif`` would also take one from XMP)."""
+    block = header.info.get("exif")
+    if not block:
+        return 1
+    exif = Image.Exif()
+    try:
+        exif.load(block)
+    except Exception:  # a damaged EXIF block: the decoder's own check decides below
+        return 1
+    value = exif.get(0x0112, 1)
+    return value if isinstance(value, int) else 1
+
+
 def decode_tensor(raw: Buffer, *, max_pixels: int | None = None) -> torch.Tensor:
     """Decode encoded image bytes to a uint8 ``3 x H x W`` RGB tensor.
 
-    JPEG and WebP go through torchvision's decoders (grayscale, CMYK and
-    alpha converted to RGB); PNG, GIF (its first frame: torchvision's decoder
-    would make every frame) and the formats torchvision does not read (BMP,
-    TIFF ...) through Pillow. PNG is first checked whole (:func:`check_png`):
-    torchvision's PNG decoder kills the process on damaged data, and Pillow
-    silently pads a short one.
+    JPEG and WebP go through TorchCodec's decoders (torchvision's where
+    TorchCodec cannot load: :func:`tensor_decoders`), grayscale, CMYK and
+    alpha converted to RGB, EXIF orientation not applied; PNG, GIF and
+    animated WebP (their first frame: the fast decoders would make every
+    frame) and the formats those do not read (BMP, TIFF ...) through Pillow.
+    PNG is first checked whole (:func:`check_png`): torchvision's PNG decoder
+    kills the process on damaged data, and Pillow silently pads a short one.
 
     Args:
         raw: the encoded bytes.
@@ -149,22 +224,35 @@ def decode_tensor(raw: Buffer, *, max_pixels: int | None = None) -> torch.Tensor
             they can read (``ValueError``, ``RuntimeError``, ``OSError``,
             ``UnidentifiedImageError`` ...); never a crash.
     """
-    if _tv_decode is None or _kind(raw) not in ("jpeg", "webp"):
+    kind = _kind(raw)
+    decode = tensor_decoders()[1].get(kind)
+    if decode is None or (kind == "webp" and _animated_webp(raw)):
         return _pillow_tensor(raw, max_pixels)  # PNG (checked there), GIF, BMP, TIFF ...
-    _check_size(raw, max_pixels)
+    with _open(raw) as header:  # reads the header only
+        _check_size(raw, max_pixels, header)
+        size, orientation = header.size, _orientation(header)
     data = raw if isinstance(raw, bytearray) else bytearray(raw)  # frombuffer needs writable
     try:
-        image: torch.Tensor = _tv_decode(
-            torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB
-        )
+        image = decode(torch.frombuffer(data, dtype=torch.uint8))
     except RuntimeError:
-        # Pillow says what is wrong, or reads what torchvision cannot
+        # Pillow says what is wrong, or reads what the fast decoder cannot
         return _pillow_tensor(raw, max_pixels)
     if image.ndim == 4:  # an animated image: its first frame
         image = image[0]
-    if _kind(raw) == "jpeg" and _uniform_corner(image[:, -4:, -4:].reshape(3, -1)):
+    if orientation in _UNDO_ORIENTATION and tensor_decoders()[0] == "torchcodec":
+        flips = _UNDO_ORIENTATION[orientation]
+        image = image.flip(flips) if flips else image
+        image = (image.transpose(-1, -2) if orientation >= 5 else image).contiguous()
+    if image.shape[1:] != (size[1], size[0]):  # a decoder read another orientation
+        return _pillow_tensor(raw, max_pixels)
+    if kind == "jpeg" and _uniform_corner(image[:, -4:, -4:].reshape(3, -1)):
         check_jpeg_data(raw)
     return image
+
+
+def _animated_webp(raw: Buffer) -> bool:
+    """Whether an extended (VP8X) WebP sets its animation flag."""
+    return bytes(raw[12:16]) == b"VP8X" and len(raw) > 20 and bool(raw[20] & 0x02)
 
 
 def decode_pil(raw: Buffer, *, max_pixels: int | None = None) -> Image.Image:

@@ -49,8 +49,9 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         transform: applied to the decoded image.
         target_transform: applied to the integer label.
         decode: ``"tensor"``: a uint8 ``CxHxW`` RGB tensor
-            (``torchvision.io.decode_image``; grayscale, CMYK and alpha are
-            converted); ``"pil"``: an RGB ``PIL.Image``; ``"bytes"``: the
+            (TorchCodec's decoders for JPEG and WebP, Pillow for the rest:
+            :func:`ddpkit.data.images.decode_tensor`; grayscale, CMYK and
+            alpha are converted); ``"pil"``: an RGB ``PIL.Image``; ``"bytes"``: the
             stored bytes.
         readahead: let the OS read ahead in the file. Off by default: random
             access over a dataset larger than RAM only wastes I/O with it.

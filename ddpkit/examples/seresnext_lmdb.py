@@ -39,10 +39,16 @@ import ddpkit
 from ddpkit.data.shapes import make_shapes_dataset
 from ddpkit.data.transforms import AUTO_AUGMENTS
 from ddpkit.distributed.devices import cpu_share
+from ddpkit.examples.seresnext_config import (
+    apply_config,
+    given_on_command_line,
+    resolved,
+)
 from ddpkit.examples.seresnext_setup import (
     BALANCE_POWERS,
     batch_error,
     batch_line,
+    check_resume_config,
     data_record,
     load_weights,
     model_record,
@@ -91,6 +97,12 @@ def _classes(data: str | None) -> int | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a YAML or TOML file of flag: value, the defaults of the\n"
+        "flags (batch_size: 512); the command line wins",
+    )
     p.add_argument("--data", metavar="DIR", help="directory with train.lmdb and val.lmdb")
     p.add_argument("--arch", default="legacy_seresnext101_32x4d", help="a timm model name")
     p.add_argument(
@@ -267,6 +279,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where rank 0 writes metrics.jsonl (default: --checkpoints)",
     )
     p.add_argument(
+        "--log-with",
+        metavar="NAMES",
+        help="trackers rank 0 logs the run to, comma-separated: tensorboard,\n"
+        "mlflow, wandb (pip install 'ddpkit[mlflow]' ...); a resumed\n"
+        "run continues the same tracker run",
+    )
+    p.add_argument(
+        "--project",
+        default="ddpkit",
+        help="the MLflow experiment and W&B project (default ddpkit)",
+    )
+    p.add_argument(
         "--keep-last",
         type=_number(int, 1, False),
         default=3,
@@ -394,7 +418,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="modern: 1 warm-up epoch, cosine, EMA; classic: x0.1 for the last\n"
         "epoch, as the recipe",
     )
-    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse_with_config(p, argv)
     if args.data is None and not args.demo:
         p.error("--data DIR is required (or --demo)")
     if args.max_restarts and not args.multiprocessing_distributed:
@@ -455,6 +480,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(error)
     if args.warmup_epochs >= args.epochs and not args.demo:
         p.error(f"--warmup-epochs {args.warmup_epochs:g} leaves nothing of --epochs {args.epochs}")
+    return args
+
+
+def _parse_with_config(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``argv`` over ``--config FILE`` over the defaults; ``args._sources`` says which gave what."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config")
+    named = first.parse_known_args(argv)[0].config
+    builtin = {a.dest: a.default for a in p._actions}
+    sources = apply_config(p, named) if named is not None else {}
+    given = given_on_command_line(p, argv)
+    for (
+        group
+    ) in p._mutually_exclusive_groups:  # --lr on the command line drops the file's --lr-base
+        dests = {a.dest for a in group._group_actions}
+        from_file = dests & set(sources)
+        if dests & given:
+            p.set_defaults(**{d: builtin[d] for d in from_file - given})
+            for d in from_file - given:
+                del sources[d]
+        elif len(from_file) > 1:
+            flags = " and ".join(f"--{d.replace('_', '-')}" for d in sorted(from_file))
+            p.error(f"--config {named}: sets {flags}, which exclude each other: keep one")
+    args = p.parse_args(argv)
+    args._sources = {**sources, **dict.fromkeys(given, "command line")}
     return args
 
 
@@ -565,6 +615,7 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     val_loader = ddpkit.build_loader(val_set, batch_size=val_batch, train=False, **kw)
     criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)
     record = model_record(args, classes)
+    run_config = resolved(args, getattr(args, "_sources", {}))
     if args.evaluate:
         model = build_model(args, classes)
         return evaluate_only(info, args, model, val_loader, criterion, record)
@@ -622,6 +673,8 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     )
     # A restarted process (torchrun --max-restarts, --max-restarts) continues the run.
     resume = args.resume or info.restart_count > 0
+    if resume is True:  # a named file may be of another run: its own flags are not compared
+        check_resume_config(args.checkpoints, run_config)
     history = ddpkit.fit(
         model,
         train_loader,
@@ -639,6 +692,9 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
             progress=not args.demo,  # a bar on rank 0, not in the demo
             profile_steps=args.profile_steps,
             profile_ranks=tuple(args.profile_ranks) if args.profile_ranks else None,
+            run_config=run_config,
+            trackers=tuple(args.log_with.split(",")) if args.log_with else None,
+            project=args.project,
         ),
         faults=ddpkit.FaultConfig(
             hang_timeout=args.hang_timeout, on_data_change=args.on_data_change.replace("-", "_")
@@ -709,31 +765,30 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         ddpkit.build_lmdb(source, out / f"{split}.lmdb", overwrite=True, progress=False)
     gpus = torch.cuda.device_count()
     nprocs, images = gpus or 2, args.demo_classes * args.demo_per_class
-    first = argparse.Namespace(
-        **{
-            **vars(args),
-            "data": str(out),
-            "arch": "legacy_seresnext26_32x4d",
-            "image_size": 32,
-            "requires_grad": True,
-            "min_crop": 0.7,
-            "lr": 0.05,
-            "epochs": args.demo_epochs,
-            "batch_size": min(64, images // nprocs * nprocs),  # tiny test runs still take a step
-            "milestones": [args.demo_epochs - 1],
-            "workers": 0,
-            "network": "demo",
-            # The schedule spans both jobs: the first stops after 7 of its 8 epochs.
-            "schedule_epochs": args.demo_epochs + 1,
-            **_DEMO_RECIPES[args.demo_recipe],
-            "checkpoints": str(out / "checkpoints"),
-            "multiprocessing_distributed": True,
-            "nprocs": nprocs,
-            "world_size": 1,
-            "rank": 0,
-            "dist_url": None,
-        }
-    )
+    settings: dict[str, Any] = {
+        "data": str(out),
+        "arch": "legacy_seresnext26_32x4d",
+        "image_size": 32,
+        "requires_grad": True,
+        "min_crop": 0.7,
+        "lr": 0.05,
+        "epochs": args.demo_epochs,
+        "batch_size": min(64, images // nprocs * nprocs),  # tiny test runs still take a step
+        "milestones": [args.demo_epochs - 1],
+        "workers": 0,
+        "network": "demo",
+        # The schedule spans both jobs: the first stops after 7 of its 8 epochs.
+        "schedule_epochs": args.demo_epochs + 1,
+        **_DEMO_RECIPES[args.demo_recipe],
+        "checkpoints": str(out / "checkpoints"),
+        "multiprocessing_distributed": True,
+        "nprocs": nprocs,
+        "world_size": 1,
+        "rank": 0,
+        "dist_url": None,
+    }
+    sources = {**getattr(args, "_sources", {}), **dict.fromkeys(settings, "demo")}
+    first = argparse.Namespace(**{**vars(args), **settings, "_sources": sources})
     run(first)
     # A second job continues from latest.pth for one more epoch: resume works.
     record = run(argparse.Namespace(**{**vars(first), "epochs": first.epochs + 1, "resume": True}))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,14 @@ import torch
 from torch import nn
 
 import ddpkit
+from ddpkit._docs import see
 from ddpkit.checkpoint.files import LATEST
 from ddpkit.checkpoint.sync import check_extra
 
 __all__ = [
     "batch_error",
     "batch_line",
+    "check_resume_config",
     "check_weights_file",
     "load_weights",
     "model_record",
@@ -141,6 +144,40 @@ def load_weights(
     if errors:
         rank, first = errors[0]
         raise ddpkit.CheckpointError(f"--evaluate {flag} {path} (rank {rank}): {first}")
+
+
+def check_resume_config(directory: str, config: dict[str, Any]) -> None:
+    """Compare this run's resolved flags with those of ``directory``'s newest checkpoint.
+
+    A changed ``-b``, ``--seed`` or ``--data`` would read other samples, or in
+    another order, than the run being continued: refused on every rank. A
+    changed learning rate, schedule, augmentation or precision is a warning on
+    rank 0. A checkpoint without a record (before 0.3) is not compared. All
+    ranks must call this, or it deadlocks.
+
+    Raises:
+        ddpkit.CheckpointError: a setting that breaks the resume changed (named,
+            with both values).
+    """
+    from ddpkit.examples.seresnext_config import resume_changes
+
+    saved = _extra(Path(directory) / LATEST)
+    record = saved.get("config") if saved is not None else None
+    breaking, changing = resume_changes(record, config) if isinstance(record, dict) else ([], [])
+    errors = [e for e in ddpkit.all_gather_object(breaking) if e]
+    if errors:
+        raise ddpkit.CheckpointError(
+            f"--resume: {directory} was trained with other settings that decide which samples "
+            f"come next ({', '.join(errors[0])}); set them back to resume, or start a new run "
+            f"in another --checkpoints. {see('config-files-and-changed-settings-on-resume')}"
+        )
+    if changing and ddpkit.get_rank() == 0:
+        warnings.warn(
+            f"--resume: settings changed since {directory}'s checkpoint ({', '.join(changing)}); "
+            "the rest of the run trains with the new ones, so it is not the uninterrupted run",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def _extra(path: Path) -> dict[str, Any] | None:

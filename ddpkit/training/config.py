@@ -12,8 +12,9 @@ checkpoint package may not import this one) and is re-exported here.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -173,7 +174,38 @@ class ReportConfig:
     profile_ranks: tuple[int, ...] | None = None
     """The ranks that profile ``profile_steps``; None: every rank."""
 
+    trackers: tuple[str, ...] | None = None
+    """Experiment trackers to log the run to: ``"tensorboard"`` (events in
+    ``log_dir``), ``"mlflow"`` (``MLFLOW_TRACKING_URI``, else ``./mlruns``) and
+    ``"wandb"`` (``WANDB_MODE`` and the rest of W&B's settings; files in
+    ``log_dir``), each an extra (``pip install "ddpkit[mlflow]"``). Each gets the
+    ``run_config`` once, every epoch's record at the global step, and at the end
+    the best checkpoint and ``curves.png``. The tracker's run id is saved in every
+    checkpoint: a resumed run continues the same tracker run and logs no epoch
+    twice. A tracker that fails warns once and training goes on. None:
+    TensorBoard when it is installed and ``log_dir`` is set, as before 0.3."""
+
+    project: str = "ddpkit"
+    """The MLflow experiment and W&B project a new tracker run is made in."""
+
+    run_config: Mapping[str, Any] | None = None
+    """The run's resolved configuration (JSON values), recorded in ``metrics.jsonl``'s
+    run header, logged once to each tracker and saved in every checkpoint."""
+
     def __post_init__(self) -> None:
+        from ddpkit.training.trackers import TRACKERS
+
+        if self.trackers is not None:
+            names = tuple(self.trackers)
+            unknown = [n for n in names if n not in TRACKERS]
+            if unknown or isinstance(self.trackers, str):
+                raise ValueError(
+                    f"trackers must be a tuple of {', '.join(map(repr, TRACKERS))}, got "
+                    f"{self.trackers!r}"
+                )
+            object.__setattr__(self, "trackers", names)
+        if self.run_config is not None and not isinstance(self.run_config, Mapping):
+            raise ValueError(f"run_config must be a mapping, got {self.run_config!r}")
         steps = self.profile_steps
         if steps is not None:
             if (

@@ -73,6 +73,8 @@ class Run:
     data: tuple[int | None, str | None] = (None, None)
     profiler: Any = None  # a StepProfiler on the ranks that profile, else None
     started: set[int] = field(default_factory=set)  # loaders whose persistent workers run
+    # What every checkpoint records beside the state: the trackers' runs, the configuration.
+    save_extra: dict[str, Any] = field(default_factory=dict)
 
     def tick(self, phase: str) -> None:
         """Tell the hang watchdog where this rank is."""
@@ -419,7 +421,7 @@ def _between_steps(
     # The epoch's own checkpoint follows its last step: no step checkpoint there.
     if manager is not None and not last and actions.save:
         run.tick("save")
-        manager.save_step(position, loop=totals(), block=False)
+        manager.save_step(position, loop=totals(), block=False, extra=run.save_extra)
         run.control.saved()
 
 
@@ -439,7 +441,9 @@ def stop_now(run: Run, stop: Stop, position: Position | None, totals: Any) -> No
     path = None
     if manager is not None:
         if position is not None:
-            path = manager.save_step(position, kind="interrupted", loop=totals)
+            path = manager.save_step(
+                position, kind="interrupted", loop=totals, extra=run.save_extra
+            )
         else:
             manager.flush()
             path = manager.latest_path if manager.writes else None

@@ -32,6 +32,7 @@ from torch import nn
 
 from ddpkit import _graveyard
 from ddpkit.checkpoint import CheckpointManager
+from ddpkit.checkpoint.files import BEST
 from ddpkit.checkpoint.state import TrainingState
 from ddpkit.checkpoint.sync import claim_directory
 from ddpkit.data.resume import data_identity
@@ -242,7 +243,16 @@ def fit(
         header = _header(
             world, epochs, config, val_loader if val_loader is not None else train_loader
         )
-        reporter.start(header, resumed=start is not None)
+        resumed = checkpoints.resumed_extra if checkpoints is not None and start else {}
+        saved_runs = resumed.get("trackers")
+        runs = reporter.start(
+            header,
+            resumed=start is not None,
+            tracker_runs=saved_runs if isinstance(saved_runs, dict) else None,
+            done_epochs=start.epoch if start is not None else 0,
+        )
+        if reporter.tracker_names and world > 1:  # every node's checkpoint copy records them
+            runs = comm.all_gather_object(runs)[0]
         if start is not None and start.epoch >= epochs:
             reporter.say(f"nothing to do: finished at epoch {start.epoch} of {epochs}")
         elif start is not None:
@@ -279,6 +289,12 @@ def fit(
             run.profiler.at(run.step)
         if checkpoints is not None:
             run.data = data_identity(getattr(train_loader, "dataset", None))
+            # Every checkpoint records the trackers' runs and the run's configuration: a
+            # resumed job continues those runs, and the configuration it was trained with.
+            if runs:
+                run.save_extra["trackers"] = runs
+            if report.run_config is not None:
+                run.save_extra["config"] = dict(report.run_config)
         try:
             first = start.epoch if start is not None else 0
             for epoch in range(first, epochs):
@@ -287,9 +303,12 @@ def fit(
                     run, train_loader, epoch, epochs, start, carried if epoch == first else None
                 )
                 _finish_epoch(run, record, epoch, epochs, val_loader, callbacks, history, began)
+            best = None
             if checkpoints is not None:
                 checkpoints.flush()  # every rank learns whether the last write failed
-            reporter.finish(history.records)
+                if (checkpoints.directory / BEST).exists():
+                    best = str(checkpoints.directory / BEST)
+            reporter.finish(history.records, best)
         except BaseException as error:
             if checkpoints is not None:
                 checkpoints.wait(raise_error=False)  # the file being written is completed
@@ -337,7 +356,7 @@ def _finish_epoch(
         run.scheduler.step()
     record["wall_seconds"] = time.perf_counter() - began
     history.records.append(record)
-    run.reporter.epoch(record, epochs)
+    run.reporter.epoch(record, epochs, run.step)
     for callback in callbacks:
         callback(record)
     manager = run.checkpoints
@@ -346,7 +365,7 @@ def _finish_epoch(
         metrics = {"acc1": record.get("val_acc1", 0.0), "loss": record["train_loss"]}
         if "val_ema_acc1" in record:
             metrics["ema_acc1"] = record["val_ema_acc1"]
-        manager.save(epoch, metrics=metrics, step=run.step, block=False)
+        manager.save(epoch, metrics=metrics, step=run.step, block=False, extra=run.save_extra)
         run.control.saved()
     stop = run.control.stop_at_epoch_end()
     if stop is not None:

@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddpkit._docs import see
 from ddpkit.training.config import ReportConfig
 from ddpkit.training.stragglers import straggler_text
+from ddpkit.training.trackers import Trackers, missing_extra
 
-__all__ = ["DATA_WAIT_WARNING", "ReportConfig", "Reporter", "epoch_line"]
+__all__ = ["DATA_WAIT_WARNING", "ReportConfig", "Reporter", "epoch_line", "tracker_names"]
 
 logger = logging.getLogger("ddpkit")
 
@@ -89,26 +91,44 @@ class Reporter:
     def __init__(self, config: ReportConfig, *, is_main: bool) -> None:
         self.config, self.is_main = config, is_main
         self._jsonl: Any = None
-        self._tb: Any = None
         self._started = time.perf_counter()
+        self._finished = False
+        self.tracker_names = tracker_names(config)
+        self._trackers: Trackers | None = None
         if is_main and config.log_dir is not None:
             os.makedirs(config.log_dir, exist_ok=True)
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        if is_main and self.tracker_names:
+            self._trackers = Trackers(self.tracker_names, config.log_dir, config.project)
 
-                self._tb = SummaryWriter(os.fspath(config.log_dir))
-            except ImportError:
-                pass
-
-    def start(self, header: dict[str, Any], *, resumed: bool) -> None:
-        """Begin ``metrics.jsonl`` with a run header.
+    def start(
+        self,
+        header: dict[str, Any],
+        *,
+        resumed: bool,
+        tracker_runs: dict[str, Any] | None = None,
+        done_epochs: int = 0,
+    ) -> dict[str, str]:
+        """Begin ``metrics.jsonl`` with a run header, and the trackers' runs.
 
         A fresh run starts a fresh record (an earlier run's file is kept as
         ``metrics-<its run id>.jsonl``); a resumed one continues its run's
-        record and id, with a header saying where it resumed.
+        record and id, with a header saying where it resumed. Each tracker
+        continues its run of ``tracker_runs`` (a resumed checkpoint's) and
+        skips the ``done_epochs`` logged already; returns ``{tracker: run id}``
+        (empty on other ranks).
         """
-        if not self.is_main or self.config.log_dir is None:
-            return
+        if not self.is_main:
+            return {}
+        if self.config.run_config is not None:
+            header = {**header, "resolved": dict(self.config.run_config)}
+        runs: dict[str, str] = {}
+        if self._trackers is not None:
+            config = self.config.run_config
+            runs = self._trackers.start(tracker_runs, config, done_epochs)
+            if self.config.trackers is not None:
+                header = {**header, "trackers": runs}
+        if self.config.log_dir is None:
+            return runs
         path = Path(self.config.log_dir) / METRICS
         earlier = _run_id(path)
         if path.exists() and not resumed:
@@ -116,6 +136,7 @@ class Reporter:
         run = earlier if resumed and earlier else secrets.token_hex(6)
         self._jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._write({"run": {"id": run, "resumed": resumed and earlier is not None, **header}})
+        return runs
 
     def say(self, message: str) -> None:
         """A line for the person watching: stdout when ``verbose``, else the log."""
@@ -134,20 +155,19 @@ class Reporter:
 
         return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
 
-    def epoch(self, record: dict[str, Any], epochs: int | None = None) -> None:
-        """Write one epoch's record: a JSON line, TensorBoard scalars, the epoch line."""
+    def epoch(self, record: dict[str, Any], epochs: int | None = None, step: int = 0) -> None:
+        """Write one epoch's record: a JSON line, the trackers (at global ``step``), the line."""
         if not self.is_main:
             return
         self._write(record)
-        if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, int | float) and key not in ("epoch", "val_worst_class"):
-                    self._tb.add_scalar(key, value, record["epoch"])
-            self._tb.flush()
+        if self._trackers is not None:
+            self._trackers.epoch(record, step)
         self.say(epoch_line(record, epochs))
 
-    def finish(self, records: list[dict[str, Any]]) -> None:
-        """The summary table at the end of a run, and ``curves.png`` where it can be drawn."""
+    def finish(self, records: list[dict[str, Any]], best_checkpoint: str | None = None) -> None:
+        """The summary table at the end of a run, ``curves.png`` where it can be drawn, and
+        ``best_checkpoint`` (a path) and the picture sent to the trackers."""
+        self._finished = True
         if not self.is_main or not records:
             return
         scored = [r for r in records if isinstance(r.get("val_acc1"), int | float)]
@@ -170,10 +190,11 @@ class Reporter:
             rows.append(("images/s", f"{sum(speeds) / len(speeds):.0f}"))
         width = max(len(name) for name, _ in rows)
         self.say("\n".join(f"  {name:<{width}}  {value}" for name, value in rows))
-        if self.config.log_dir is not None:
-            self._plot()
+        picture = self._plot() if self.config.log_dir is not None else None
+        if self._trackers is not None:
+            self._trackers.finish(best_checkpoint, picture)
 
-    def _plot(self) -> None:
+    def _plot(self) -> Path | None:
         from ddpkit.training.plotting import PlotUnavailable, plot_run
 
         if self._jsonl is not None:
@@ -181,8 +202,9 @@ class Reporter:
         try:
             out = plot_run(self.config.log_dir)  # type: ignore[arg-type]
         except PlotUnavailable:
-            return  # the extra is not installed: no picture, and nothing wrong
+            return None  # the extra is not installed: no picture, and nothing wrong
         self.say(f"learning curves: {out}")
+        return out
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._jsonl is None:
@@ -199,9 +221,30 @@ class Reporter:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        if self._trackers is not None:
+            self._trackers.close(self._finished)  # a stopped run stays open for its resume
+            self._trackers = None
+
+
+def tracker_names(config: ReportConfig) -> tuple[str, ...]:
+    """The trackers ``config`` asks for; the same answer on every rank.
+
+    ``trackers=None`` keeps the behaviour before 0.3: TensorBoard when it is
+    installed and there is a ``log_dir``.
+
+    Raises:
+        ValueError: a tracker asked for is not installed (names the extra).
+    """
+    if config.trackers is None:
+        wanted = config.log_dir is not None and missing_extra("tensorboard") is None
+        return ("tensorboard",) if wanted else ()
+    problems = [p for p in map(missing_extra, config.trackers) if p is not None]
+    if problems:
+        raise ValueError(
+            f"ReportConfig(trackers={config.trackers!r}): {'; '.join(problems)}. "
+            + see("trackers-tensorboard-mlflow-wb")
+        )
+    return config.trackers
 
 
 def _terminal() -> bool:

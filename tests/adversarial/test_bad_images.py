@@ -11,6 +11,7 @@ import random
 import struct
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lmdb_fixtures import encode, photo
@@ -222,8 +223,20 @@ def _verdicts(rank: int, world_size: int) -> dict[str, tuple[bool, bool, bool]]:
     return out
 
 
-def test_no_damaged_image_crashes_a_decoder_and_all_three_agree() -> None:
-    verdicts = run_distributed(_verdicts, 1, init=None, timeout=240)[0]
+def _corpus_job(rank: int, world_size: int) -> dict[str, Any]:
+    """The verdicts, and each JPEG and WebP decoded with each library: one child for both."""
+    return {"verdicts": _verdicts(rank, world_size), "by_library": _by_library(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def corpus_results() -> dict[str, Any]:
+    return dict(run_distributed(_corpus_job, 1, init=None, timeout=240)[0])
+
+
+def test_no_damaged_image_crashes_a_decoder_and_all_three_agree(
+    corpus_results: dict[str, Any],
+) -> None:
+    verdicts = corpus_results["verdicts"]
     for name, (checked, tensor, _) in verdicts.items():
         assert checked == tensor, name  # verify says ok exactly when the dataset can decode
     for fmt in FORMATS:
@@ -487,3 +500,70 @@ def test_a_raised_limit_is_honoured_by_build_verify_and_the_dataset(
     assert "over the limit of 4,000" in errors[0]
     with pytest.raises(ValueError, match="max_pixels must be at least 1"):
         LazyLMDBDataset(tmp_path / "raw", max_pixels=0)
+
+
+def decoder_corpus() -> dict[str, bytes]:
+    """The damaged corpus, with what TorchCodec reads differently from torchvision:
+    every EXIF orientation, animated WebP, CMYK, gray, alpha."""
+    cases = corpus()
+    base = photo(0, (96, 72)).convert("RGB")
+    for orientation in range(10):  # 0 and 9 are not orientations: ignored
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        cases[f"exif{orientation}-jpeg"] = encode(base, "JPEG", exif=exif.tobytes())
+        cases[f"exif{orientation}-webp"] = encode(base, "WEBP", exif=exif.tobytes())
+    frames = [photo(1, (96, 72)).convert("RGB")]
+    for extra in ({"lossless": True}, {}):
+        name = f"animated-WEBP-{'lossless' if extra else 'lossy'}"
+        cases[name] = encode(base, "WEBP", save_all=True, append_images=frames, **extra)
+    cases["cmyk-jpeg"] = encode(base.convert("CMYK"), "JPEG")
+    cases["gray-jpeg"] = encode(base.convert("L"), "JPEG")
+    cases["rgba-webp"] = encode(base.convert("RGBA"), "WEBP")
+    return cases
+
+
+def _by_library(rank: int, world_size: int) -> dict[str, dict[str, object]]:
+    """Each case's decode_tensor result (pixels or error type) with TorchCodec, then with
+    torchvision.io deciding, as ddpkit did before TorchCodec (both must load here)."""
+    import warnings
+
+    from ddpkit.data import images
+
+    # Only JPEG and WebP reach the library; Pillow decodes the rest on either.
+    cases = {n: d for n, d in decoder_corpus().items() if images._kind(d) in ("jpeg", "webp")}
+    out: dict[str, dict[str, object]] = {}
+    for library in ("torchcodec", "torchvision"):
+        decoders = images._load_decoders(library)
+        assert decoders is not None, library
+        images.tensor_decoders = lambda library=library, d=decoders: (library, d)
+        results: dict[str, object] = {}
+        for name, data in cases.items():
+            with warnings.catch_warnings():  # torchvision's: deprecated, called on purpose
+                warnings.simplefilter("ignore", DeprecationWarning)
+                try:
+                    results[name] = decode_tensor(data)
+                except Exception as exc:
+                    results[name] = type(exc).__name__
+        out[library] = results
+    return out
+
+
+def test_torchcodec_decodes_every_image_as_torchvision_did(
+    corpus_results: dict[str, Any],
+) -> None:
+    import torch
+
+    new, old = (
+        corpus_results["by_library"]["torchcodec"],
+        corpus_results["by_library"]["torchvision"],
+    )
+    assert new.keys() == old.keys()
+    for name in new:
+        if isinstance(old[name], torch.Tensor):
+            assert isinstance(new[name], torch.Tensor), (name, new[name])
+            assert torch.equal(new[name], old[name]), name
+        else:
+            assert new[name] == old[name], name  # the same error, named alike
+    for orientation in range(10):  # stored pixels, as decode_pil and ImageFolder see them
+        assert new[f"exif{orientation}-jpeg"].shape == (3, 72, 96), orientation
+    assert new["animated-WEBP-lossless"].shape == (3, 72, 96)

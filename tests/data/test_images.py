@@ -85,3 +85,19 @@ def test_prepare_image_shrinks_only_large_images() -> None:
     assert shrunk is not None
     assert decode_tensor(shrunk).shape == (3, 48, 64)
     assert prepare_image(b"junk", "decode", 64, 90)[0] is None
+
+
+def test_torchcodec_decodes_where_it_loads_and_torchvision_only_with_an_older_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ddpkit.data import images
+
+    pytest.importorskip("torchcodec")
+    assert images.tensor_decoders()[0] == "torchcodec"
+    monkeypatch.setattr(torch, "__version__", "2.10.0")  # TorchCodec's images need 2.11+
+    assert images._load_decoders("torchcodec") is None
+    images.tensor_decoders.cache_clear()
+    try:
+        assert images.tensor_decoders()[0] == "torchvision"
+    finally:
+        images.tensor_decoders.cache_clear()

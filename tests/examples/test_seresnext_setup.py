@@ -73,11 +73,15 @@ def _flags(root: Path, *extra: str) -> list[str]:
 def test_every_checkpoint_records_the_model(trained: Path) -> None:
     for name in ("latest.pth",):
         extra = ddpkit.load_checkpoint(trained / "ckpt" / name)["extra"]
-        assert extra == {
+        model = {k: v for k, v in extra.items() if k.startswith("--")}
+        assert model == {
             "--arch": "test_resnet", "--num-classes": 3, "--image-size": 32,
             "--balance": "class", "--aug-repeats": 2, "--auto-augment": "rand",
             "--aug-magnitude": 9, "--random-erase": 0.25,
         }  # fmt: skip
+        # and the resolved flags, each with where its value came from
+        assert extra["config"]["batch_size"] == {"value": 4, "source": "command line"}
+        assert extra["config"]["lr"] == {"value": 0.1, "source": "default"}
         # 12 images drawn class-balanced, each twice: 24 a epoch in batches of 4.
         assert ddpkit.load_checkpoint(trained / "ckpt" / name)["position"]["step"] == 6
 
@@ -86,6 +90,13 @@ def test_a_resume_with_other_draws_or_augmentations_is_refused(trained: Path) ->
     args = example.parse_args(_flags(trained, "--resume", "--epochs", "2", "--balance", "sqrt"))
     with pytest.raises(ddpkit.CheckpointError, match="trained with --balance class; this run"):
         example.run(args)
+
+
+def test_a_resume_with_another_batch_or_seed_is_refused(trained: Path) -> None:
+    for change, said in ((["-b", "2"], "-b 4 -> 2"), (["--seed", "3"], "--seed 0 -> 3")):
+        args = example.parse_args(_flags(trained, "--resume", "--epochs", "2", *change))
+        with pytest.raises(ddpkit.CheckpointError, match=said.replace("-b", "--batch-size")):
+            example.run(args)
 
 
 @pytest.mark.parametrize(

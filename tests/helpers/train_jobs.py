@@ -262,3 +262,53 @@ def straggler_run(rank: int, world_size: int) -> list[list[Any]]:
         )
         out.append([[r["straggler"], r["rank_spread"], epoch_line(r)] for r in history.records])
     return out
+
+
+def tracker_job(
+    rank: int,
+    world_size: int,
+    directory: str,
+    epochs: int,
+    resume: bool,
+    kill_at: int | None = None,
+) -> None:
+    """fit() logging to TensorBoard, MLflow and W&B (offline) in ``directory``/logs.
+
+    With ``kill_at``, the process SIGKILLs itself once epoch ``kill_at`` is logged,
+    before that epoch's checkpoint is written: the resumed job retrains that epoch.
+    """
+    import os
+    import signal
+
+    torch.manual_seed(1234)
+    info = DistInfo(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", True)
+    model = wrap_ddp(small_net())
+    # The global batch stays 16 on any number of ranks, so the global step means the same:
+    # 2 steps an epoch.
+    loader = build_loader(
+        NoisyBlobs(n=32), global_batch_size=16, train=True, workers=0, seed=5, info=info
+    )
+
+    def kill(record: dict[str, Any]) -> None:
+        if record["epoch"] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        criterion=nn.CrossEntropyLoss(),
+        epochs=epochs,
+        checkpoints=CheckpointManager(Path(directory) / "ckpt", prefix="tiny"),
+        resume=resume,
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(
+            progress=False,
+            verbose=False,
+            log_dir=Path(directory) / "logs",
+            trackers=("tensorboard", "mlflow", "wandb"),
+            project="trackers-test",
+            run_config={"lr": {"value": 0.05, "source": "default"}},
+        ),
+        callbacks=[kill],
+    )

@@ -1,0 +1,225 @@
+"""Trackers against the real libraries, read back from what they wrote: one run per job.
+
+A job is SIGKILLed after epoch 2 is logged and before its checkpoint is
+written (W&B has written none of its run file yet), then resumed to 3 epochs
+on another number of ranks: MLflow (a local file
+store, read with ``MlflowClient``), W&B (offline, its run files read back)
+and TensorBoard (its event reader) each hold one run with every epoch once,
+with the values of ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from train_jobs import tracker_job
+
+from ddpkit import ReportConfig, TrainConfig, fit
+from ddpkit.testing import run_distributed
+from ddpkit.training.trackers import LEDGER, Trackers
+
+pytest.importorskip("mlflow")
+pytest.importorskip("wandb")
+pytest.importorskip("tensorboard")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tracker_env(root: Path) -> dict[str, str]:
+    return {
+        "MLFLOW_TRACKING_URI": (root / "mlruns").as_uri(),
+        "MLFLOW_ALLOW_FILE_STORE": "true",  # MLflow 3 keeps the file store for local use
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        # no system metrics, machine or git description: a faster start, the same history
+        "WANDB_X_DISABLE_STATS": "true",
+        "WANDB_X_DISABLE_META": "true",
+        "WANDB_X_DISABLE_MACHINE_INFO": "true",
+    }
+
+
+@pytest.fixture(scope="module")
+def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-rank job killed after logging epoch 2, resumed to 3 epochs on 2 ranks."""
+    root = tmp_path_factory.mktemp("trackers")
+    env = {**os.environ, **_tracker_env(root), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests/helpers'}"}
+    code = f"from train_jobs import tracker_job; tracker_job(0, 1, {str(root)!r}, 3, False, 2)"
+    killed = subprocess.run([sys.executable, "-c", code], env=env, timeout=240, check=False)
+    assert killed.returncode == -9  # SIGKILL, as a lost node or the OOM killer would
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in _tracker_env(root).items():
+            mp.setenv(key, value)
+        run_distributed(tracker_job, 2, args=(str(root), 3, True), timeout=240)
+    return root
+
+
+def _jsonl(root: Path) -> dict[int, float]:
+    """metrics.jsonl's train_loss of each epoch, as first logged."""
+    seen: dict[int, float] = {}
+    for line in (root / "logs" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "epoch" in record:
+            seen.setdefault(record["epoch"], record["train_loss"])
+    return seen
+
+
+def test_mlflow_holds_one_run_with_every_epoch_once(killed_then_resumed: Path) -> None:
+    from mlflow import MlflowClient
+
+    root = killed_then_resumed
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((root / "mlruns").as_uri())
+    experiment = client.get_experiment_by_name("trackers-test")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    epochs = client.get_metric_history(run.info.run_id, "epoch")
+    assert sorted(m.value for m in epochs) == [1, 2, 3]
+    losses = {int(e.value): e.step for e in epochs}
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train_loss")}
+    assert len(history) == 3
+    assert {e: history[step] for e, step in losses.items()} == pytest.approx(_jsonl(root))
+    assert sorted(losses.values()) == [2, 4, 6]  # the global step: 32 / 16 per epoch
+    assert json.loads(run.data.params["lr"]) == {"value": 0.05, "source": "default"}
+    assert run.data.tags["best_checkpoint"].endswith("best.pth")
+    assert run.info.status == "FINISHED"
+    pictures = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert "curves.png" in pictures
+
+
+def _wandb_records(path: Path) -> list[bytes]:
+    """The records of a W&B ``.wandb`` file (LevelDB's log format: 32 KiB blocks)."""
+    data, out, pending, pos = path.read_bytes(), [], b"", 7
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        size, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + size], pos + 7 + size
+        if kind == 1:
+            out.append(chunk)
+        elif kind in (2, 3):
+            pending += chunk
+        elif kind == 4:
+            out.append(pending + chunk)
+            pending = b""
+    return out
+
+
+def test_wandb_holds_one_run_with_every_epoch_once(killed_then_resumed: Path) -> None:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    root = killed_then_resumed
+    files = sorted((root / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2  # the killed job's and the resumed job's, of one run
+    ids, epochs = set(), []
+    for file in files:
+        for data in _wandb_records(file):
+            record = pb.Record()
+            record.ParseFromString(data)
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                ids.add(record.run.run_id)
+            elif kind == "history":
+                row = {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in record.history.item
+                }
+                if "epoch" in row:  # W&B's own rows (_runtime ...) aside
+                    epochs.append((row["epoch"], row["train_loss"]))
+    assert len(ids) == 1
+    # Epochs 1-2, lost with the killed process, are sent again from the ledger: once.
+    assert [e for e, _ in epochs] == [1, 2, 3]
+    assert dict(epochs) == pytest.approx(_jsonl(root))
+
+
+def test_tensorboard_holds_every_epoch_once(killed_then_resumed: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(killed_then_resumed / "logs"))
+    events.Reload()
+    epochs = [(e.step, e.value) for e in events.Scalars("epoch")]
+    assert epochs == [(2, 1), (4, 2), (6, 3)]
+    losses = {int(v): events.Scalars("train_loss")[i].value for i, (_, v) in enumerate(epochs)}
+    assert losses == pytest.approx(_jsonl(killed_then_resumed))
+
+
+def test_every_checkpoint_records_the_tracker_runs(killed_then_resumed: Path) -> None:
+    import ddpkit
+
+    ledger = json.loads((killed_then_resumed / "logs" / LEDGER).read_text())
+    extra = ddpkit.load_checkpoint(killed_then_resumed / "ckpt" / "latest.pth")["extra"]
+    assert extra["trackers"] == {name: entry["id"] for name, entry in ledger.items()}
+    assert extra["config"] == {"lr": {"value": 0.05, "source": "default"}}
+
+
+def test_a_failing_tracker_warns_once_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")  # the store cannot be made under a file: every call fails
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (blocked / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    model = nn.Linear(4, 2)
+    data = [(torch.randn(4, 4), torch.tensor([0, 1, 0, 1]))] * 2
+    report = ReportConfig(progress=False, verbose=False, log_dir=tmp_path, trackers=("mlflow",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = fit(
+            model,
+            data,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(),
+            epochs=3,
+            config=TrainConfig(normalize=None),
+            report=report,
+        )
+    said = [str(w.message) for w in caught if "tracker mlflow" in str(w.message)]
+    assert len(said) == 1, said
+    assert len(history.records) == 3
+
+
+def test_ledger_skips_epochs_a_run_already_holds(tmp_path: Path) -> None:
+    trackers = Trackers(("tensorboard",), tmp_path, "p")
+    runs = trackers.start(None, {"a": 1})
+    trackers.epoch({"epoch": 1, "train_loss": 1.0}, 5)
+    trackers.close(False)
+    again = Trackers(("tensorboard",), tmp_path, "p")
+    assert again.start(runs, None) == runs
+    again.epoch({"epoch": 1, "train_loss": 9.0}, 5)  # retrained after a resume: not logged
+    again.epoch({"epoch": 2, "train_loss": 0.5}, 10)
+    again.close(True)
+    assert json.loads((tmp_path / LEDGER).read_text())["tensorboard"]["epoch"] == 2
+
+
+def test_unknown_or_missing_trackers_are_refused() -> None:
+    with pytest.raises(ValueError, match="trackers must be a tuple of"):
+        ReportConfig(trackers=("neptune",))
+    with pytest.raises(ValueError, match="trackers must be a tuple of"):
+        ReportConfig(trackers="mlflow")  # type: ignore[arg-type]
+
+
+def test_a_torn_wandb_run_file_confirms_only_the_epochs_it_holds(killed_then_resumed: Path) -> None:
+    from ddpkit.training.trackers import _wandb_epochs
+
+    files = sorted((killed_then_resumed / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
+    whole = max(files, key=lambda f: f.stat().st_size)
+    assert _wandb_epochs(whole) == {1, 2, 3}
+    data, torn = whole.read_bytes(), killed_then_resumed / "torn.wandb"
+    seen = []
+    for cut in range(7, len(data), max(1, len(data) // 40)):  # as a kill mid-write leaves it
+        torn.write_bytes(data[:cut])
+        seen.append(_wandb_epochs(torn))
+    assert all(s <= {1, 2, 3} for s in seen)
+    assert seen[0] == set()
+    assert set() < seen[-1]
