@@ -37,8 +37,9 @@ lint: $(STAMP)
 
 # Two pytest runs: the single-process tests two at a time (pytest-xdist, one per
 # core), then the tests that start several processes (marker `serial`, see
-# tests/conftest.py) one at a time, as two ranks already fill two cores. Each
-# prints its 25 slowest tests; the total comes last. Status 5 (nothing
+# tests/conftest.py) two files at a time: each file's tests on one worker, so a
+# module's shared job runs once and a markdown page's blocks share one child.
+# Each prints its 25 slowest tests; the total comes last. Status 5 (nothing
 # selected, e.g. PYTEST_ARGS naming one file) is not a failure.
 PYTEST := $(BIN)/python -m pytest --timeout=300 --durations=25
 
@@ -46,10 +47,10 @@ test: lint
 	@start=$$(date +%s); \
 	$(PYTEST) -n 2 -m "not serial" $(PYTEST_ARGS); one=$$?; \
 	middle=$$(date +%s); \
-	$(PYTEST) -m serial $(PYTEST_ARGS); two=$$?; \
+	$(PYTEST) -n 2 --dist loadfile -m serial $(PYTEST_ARGS); two=$$?; \
 	end=$$(date +%s); \
 	echo "make test: $$((middle - start)) s single-process (-n 2, status $$one)" \
-		"+ $$((end - middle)) s multi-process (status $$two) = $$((end - start)) s in all"; \
+		"+ $$((end - middle)) s multi-process (-n 2 by file, status $$two) = $$((end - start)) s in all"; \
 	{ [ $$one -eq 0 ] || [ $$one -eq 5 ]; } && { [ $$two -eq 0 ] || [ $$two -eq 5 ]; }
 
 # The same, with the longer variants marked slow (tests/conftest.py; docs/testing.md lists them).

@@ -28,11 +28,12 @@ if HELPERS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 
 
 # Tests that start several processes of their own (ranks, launchers, the example,
-# DataLoader workers): `make test` runs them one at a time after the others, which
-# run two at a time with pytest-xdist. Two ranks already fill the two cores of a
-# small machine; two such tests side by side would only share them and reach
-# their deadlines. A file name covers its tests; "file::test" one test. A new
-# test that starts several processes goes here, or takes @pytest.mark.serial.
+# DataLoader workers): `make test` runs them after the others, two files at a time
+# (`-n 2 --dist loadfile`): a file's tests share one worker, so a module's shared
+# job runs once and the blocks of one markdown page share its one child. Their
+# deadlines allow for a busy machine. A file name covers its tests; "file::test"
+# one test. A new test that starts several processes goes here, or takes
+# @pytest.mark.serial.
 _SERIAL = (
     "adversarial/test_bad_jobs.py",
     "checkpoint/test_manager.py",
