@@ -314,9 +314,13 @@ def fit(
                 checkpoints.wait(raise_error=False)  # the file being written is completed
             where = faults.report_dir or (checkpoints.directory if checkpoints else report.log_dir)
             if world > 1 and where is not None and is_collective_failure(error):
-                path = report_collective_failure(where, rank, world, error, dist.get_backend())
-                if path is not None:
-                    logger.error("rank %d: its last collectives and stack: %s", rank, path)
+                try:
+                    path = report_collective_failure(where, rank, world, error, dist.get_backend())
+                except Exception as failed:  # the report must never hide the error it explains
+                    logger.warning("rank %d: no collective report (%s)", rank, failed)
+                else:
+                    if path is not None:
+                        logger.error("rank %d: its last collectives and stack: %s", rank, path)
             raise
     return history
 
