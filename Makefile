@@ -35,23 +35,19 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Two pytest runs: the single-process tests two at a time (pytest-xdist, one per
-# core), then the tests that start several processes (marker `serial`, see
-# tests/conftest.py) two files at a time: each file's tests on one worker, so a
-# module's shared job runs once and a markdown page's blocks share one child.
-# Each prints its 25 slowest tests; the total comes last. Status 5 (nothing
-# selected, e.g. PYTEST_ARGS naming one file) is not a failure.
+# One pytest run on two workers (pytest-xdist, one per core). The tests that start
+# several processes (marker `serial`, see tests/conftest.py) go to a worker a file
+# at a time (a markdown page's blocks a page at a time), so a module's shared job
+# runs once; the longest groups start first and every other test fills in where
+# a worker is free. It prints the 25 slowest tests; the total comes last. Status
+# 5 (nothing selected, e.g. PYTEST_ARGS naming a marker no test has) is not a failure.
 PYTEST := $(BIN)/python -m pytest --timeout=300 --durations=25
 
 test: lint
 	@start=$$(date +%s); \
-	$(PYTEST) -n 2 -m "not serial" $(PYTEST_ARGS); one=$$?; \
-	middle=$$(date +%s); \
-	$(PYTEST) -n 2 --dist loadfile -m serial $(PYTEST_ARGS); two=$$?; \
-	end=$$(date +%s); \
-	echo "make test: $$((middle - start)) s single-process (-n 2, status $$one)" \
-		"+ $$((end - middle)) s multi-process (-n 2 by file, status $$two) = $$((end - start)) s in all"; \
-	{ [ $$one -eq 0 ] || [ $$one -eq 5 ]; } && { [ $$two -eq 0 ] || [ $$two -eq 5 ]; }
+	$(PYTEST) -n 2 --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS); status=$$?; \
+	echo "make test: $$(($$(date +%s) - start)) s of pytest (-n 2, status $$status)"; \
+	[ $$status -eq 0 ] || [ $$status -eq 5 ]
 
 # The same, with the longer variants marked slow (tests/conftest.py; docs/testing.md lists them).
 test-all:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,13 +28,12 @@ if HELPERS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     )
 
 
-# Tests that start several processes of their own (ranks, launchers, the example,
-# DataLoader workers): `make test` runs them after the others, two files at a time
-# (`-n 2 --dist loadfile`): a file's tests share one worker, so a module's shared
-# job runs once and the blocks of one markdown page share its one child. Their
-# deadlines allow for a busy machine. A file name covers its tests; "file::test"
-# one test. A new test that starts several processes goes here, or takes
-# @pytest.mark.serial.
+# Tests that start several processes of their own (ranks, launchers, the example, DataLoader
+# workers). `make test` runs the whole suite on two workers (`-n 2 --dist loadgroup`): the tests
+# of one such file go to one worker as one group (pytest_xdist_make_scheduler below), so a
+# module's shared job runs once and the blocks of one markdown page share its one child; every
+# other test goes wherever a worker is free. Their deadlines allow for a busy machine. A file name
+# covers its tests; "file::test" one test. A new test that starts several processes goes here.
 _SERIAL = (
     "adversarial/test_bad_jobs.py",
     "checkpoint/test_manager.py",
@@ -63,6 +63,7 @@ _SERIAL = (
     "training/test_trackers.py",
     "test_launch.py",
     "test_testing.py",
+    "test_warm.py",
     "test_wheel.py",
     "training/test_ema.py",
     "training/test_epoch.py",
@@ -72,6 +73,27 @@ _SERIAL = (
     "training/test_loop.py::test_resume_is_bit_exact",
     "training/test_metrics.py",
     "training/test_stragglers.py::test_a_real_rank_reading_3x_slower_is_named_and_a_balanced_run_names_nobody",
+)
+
+# The longest groups, longest first (their seconds on the 2-core machine, docs/testing.md):
+# they start first, and the short tests fill in after them, so the two workers end
+# together instead of one finishing a long group alone. Then the other groups, then
+# every single test, each in the order collected.
+_LONGEST_FIRST = (
+    "examples/test_seresnext_lmdb_faults.py",
+    "training/test_fault_tolerance.py",
+    "docs/quickstart.md",
+    "docs/api.md",
+    "distributed/test_watchdog.py",
+    "adversarial/test_bad_jobs.py",
+    "examples/test_seresnext_lmdb.py",
+    "distributed/test_spawning.py",
+    "distributed/test_spawning_restarts.py",
+    "training/test_loop.py",
+    "test_testing.py",
+    "distributed/test_process_group.py",
+    "test_launch.py",
+    "docs/data.md",
 )
 
 
@@ -84,11 +106,9 @@ def _forkserver_started(request: pytest.FixtureRequest) -> None:
     """
     serial = request.node.get_closest_marker("serial") is not None
     if serial and os.environ.get("DDPKIT_TEST_START_METHOD") == "forkserver":
-        import multiprocessing
+        from warm import start_server  # type: ignore[import-not-found]
 
-        from ddpkit.distributed.processes import start_forkserver
-
-        start_forkserver(multiprocessing.get_context("forkserver"))
+        start_server()  # run_distributed's modules, and the example's for tests/helpers/warm.py
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -103,15 +123,59 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: a longer variant; run only with --slow")
 
 
+def _group(nodeid: str) -> str | None:
+    """The group a multi-process test runs in (its file, or its markdown page), else None.
+
+    From the test's id alone: xdist's controller, which hands out the groups,
+    sees ids, not items.
+    """
+    name, _, test = nodeid.split("@")[0].partition("::")
+    name = name.removeprefix("tests/")
+    if name not in _SERIAL and f"{name}::{test.split('[')[0]}" not in _SERIAL:
+        return None
+    if name == "docs/test_doc_code.py" and test.startswith("test_doc_block_runs["):
+        return test[len("test_doc_block_runs[") : -1].rsplit(":", 1)[0]  # the block's page
+    return name
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: each group to one worker, every other test on its own.
+
+    xdist's own ``xdist_group`` marks do not reach its scheduler under pytest 9.2
+    (they rename ``item._nodeid``, which ``nodeid`` no longer reads), so the
+    groups come from :func:`_group`.
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Groups(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid) or nodeid
+
+    return _Groups(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests = os.path.dirname(os.path.abspath(__file__))
+    groups = {item.nodeid: _group(item.nodeid) for item in items}
     for item in items:
-        name = os.path.relpath(str(item.path), tests).replace(os.sep, "/")
-        test = f"{name}::{item.name.split('[')[0]}"
-        if name in _SERIAL or test in _SERIAL:
+        if groups[item.nodeid] is not None:
             item.add_marker(pytest.mark.serial)
     if not config.getoption("--slow"):
         slow = [item for item in items if item.get_closest_marker("slow") is not None]
         if slow:
             config.hook.pytest_deselected(items=slow)
             items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    # The scheduler (--no-loadscope-reorder) hands out the groups in the order of their
+    # first test: the longest first, then the other groups, then every single test.
+    rank = {group: i for i, group in enumerate(_LONGEST_FIRST)}
+    order = {item.nodeid: i for i, item in enumerate(items)}
+
+    def key(item: pytest.Item) -> tuple[int, int, int]:
+        group = groups[item.nodeid]
+        if group is None:
+            return (2, 0, order[item.nodeid])
+        return (0 if group in rank else 1, rank.get(group, 0), order[item.nodeid])
+
+    items.sort(key=key)

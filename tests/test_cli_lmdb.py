@@ -16,6 +16,7 @@ import lmdb
 import numpy as np
 import pytest
 from PIL import Image
+from warm import warm_popen, warm_run  # type: ignore[import-not-found]
 
 from ddpkit.cli import build_parser, main
 from ddpkit.data.lmdb_format import read_index, sample_key
@@ -155,16 +156,20 @@ def test_workers_short_aliases(
 
 
 def _console(args: list[str], *, terminal: bool) -> tuple[int, str]:
-    """Run the console script with stderr on a pseudo-terminal or a pipe: (exit code, stderr)."""
-    command = [str(Path(sys.executable).with_name("ddpkit")), *args]
+    """Run ``ddpkit ARGS`` with stderr on a pseudo-terminal or a pipe: (exit code, stderr).
+
+    As ``python -m ddpkit``, forked from the suite's preloaded server
+    (tests/helpers/warm.py); test_console_script_info runs the console script itself.
+    """
+    command = [sys.executable, "-m", "ddpkit", *args]
     if not terminal:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        out = warm_run(command, capture_output=True, text=True, timeout=120)
         return out.returncode, out.stderr
     parent, child = pty.openpty()
     # 24 rows of 80 columns: a new pseudo-terminal has 0, and tqdm draws no bar in 0 columns.
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     try:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=child)
+        process = warm_popen(command, stdout=subprocess.DEVNULL, stderr=child)
     finally:
         os.close(child)
     chunks = []

@@ -146,11 +146,12 @@ FORKSERVER_PRELOAD = (
 )
 
 
-def start_forkserver(ctx: Any) -> None:
-    """Start ``ctx``'s forkserver with :data:`FORKSERVER_PRELOAD` imported, and wait for it.
+def start_forkserver(ctx: Any, preload: Sequence[str] = FORKSERVER_PRELOAD) -> None:
+    """Start ``ctx``'s forkserver with ``preload`` imported, and wait for it.
 
     The forkserver is one per process and keeps the modules it started with
-    (an earlier user may have started it with others). The first call waits for
+    (an earlier user may have started it with others; a module that is not
+    installed is left out). The first call waits for
     one process forked from it, so that a run's timeout does not count the
     server's imports.
     """
@@ -158,7 +159,7 @@ def start_forkserver(ctx: Any) -> None:
     with _forkserver_lock:  # runs may start from several threads at once
         if _forkserver_ready:
             return
-        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        ctx.set_forkserver_preload(list(preload))
         probe = ctx.Process(target=_nothing, name="ddpkit-forkserver-probe", daemon=True)
         probe.start()
         probe.join()

@@ -9,12 +9,12 @@ status 2, no traceback.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from corpus import image_tree
+from warm import warm_run  # type: ignore[import-not-found]
 
 from ddpkit.data import build_lmdb
 from ddpkit.examples import seresnext_lmdb as example
@@ -126,7 +126,7 @@ def test_one_class_of_data_with_mixup_fails_before_any_training(tmp_path: Path) 
             "--checkpoints",
             str(tmp_path / "ck"),
         ]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        done = warm_run(cmd, capture_output=True, text=True, timeout=120, env=env)
         assert done.returncode == 2, done.stderr
         assert f"error: argument {flag}: mixes the targets of two classes and the model has 1" in (
             done.stderr

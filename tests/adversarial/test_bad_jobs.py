@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from warm import WarmProcess, warm_popen  # type: ignore[import-not-found]
 
 import ddpkit
 from ddpkit import RendezvousError, init_distributed
@@ -100,9 +101,9 @@ _RANK = textwrap.dedent(
 )
 
 
-def _start_rank(url: str, rank: int, world: int, seconds: float) -> subprocess.Popen[str]:
+def _start_rank(url: str, rank: int, world: int, seconds: float) -> WarmProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.Popen(
+    return warm_popen(
         [sys.executable, "-c", _RANK, url, str(rank), str(world), str(seconds)],
         stdout=subprocess.PIPE,
         text=True,

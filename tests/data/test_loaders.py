@@ -17,6 +17,7 @@ from torch.utils.data import (
     RandomSampler,
     SequentialSampler,
 )
+from warm import warm_popen, warm_run  # type: ignore[import-not-found]
 
 from ddpkit.data import DistributedEvalSampler, build_loader, set_epoch
 from ddpkit.distributed import comm
@@ -201,10 +202,12 @@ print("workers", len(pids), "same", rest == pids, flush=True)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"])
 def test_workers_outlive_a_signal_to_the_whole_group_and_still_end_at_exit(name: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _GROUP_SIGNAL_JOB, name], capture_output=True, text=True,
-        timeout=90, start_new_session=True,  # a process group of its own to signal
+    process = warm_popen(
+        [sys.executable, "-c", _GROUP_SIGNAL_JOB, name], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,  # a group of its own
     )  # fmt: skip
+    stdout, stderr = process.communicate(timeout=90)
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"parent got {name}" in done.stdout
     assert "workers 2 same True" in done.stdout, done.stderr[-3000:]
@@ -246,8 +249,8 @@ def test_workers_end_when_the_training_process_is_killed(start: str) -> None:
     # A forkserver's workers are the server's children and hold it open: without
     # build_loader's watch on the training process, both would run for ever.
     tests = os.path.dirname(os.path.abspath(__file__))
-    done = subprocess.run([sys.executable, "-c", _KILLED_TRAINER_JOB, start, tests],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = warm_run([sys.executable, "-c", _KILLED_TRAINER_JOB, start, tests],
+                    capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == -9, done.stderr[-3000:]
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == (3 if start == "forkserver" else 2)

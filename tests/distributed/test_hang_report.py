@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from warm import WarmProcess, warm_popen  # type: ignore[import-not-found]
 
 from ddpkit.distributed.hang_report import REPORT_FILE, first_disagreement, render
 from ddpkit.distributed.rendezvous import free_port
@@ -38,14 +38,14 @@ ALL_REDUCE = f"hang_jobs.py:{_line('dist.all_reduce(grads)')} (sum_gradients)"
 BROADCAST = f"hang_jobs.py:{_line('dist.broadcast(state')} (share_rank_1_state)"
 
 
-def _start(tmp: Path, scenario: str, world: int) -> list[subprocess.Popen[bytes]]:
+def _start(tmp: Path, scenario: str, world: int) -> list[WarmProcess]:
     port, procs = free_port(), []
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for rank in range(world):
         args = [scenario, str(rank), str(world), str(port), str(HANG_S), str(tmp)]
         with (tmp / f"rank{rank}.log").open("wb") as log:
             command = [sys.executable, str(JOB), *args]
-            procs.append(subprocess.Popen(command, stderr=log, cwd=ROOT, env=env))
+            procs.append(warm_popen(command, stderr=log, cwd=ROOT, env=env))
     return procs
 
 

@@ -16,6 +16,7 @@ from typing import IO
 
 import pytest
 from restart_jobs import always_die, die_on_first_attempt, preempt_every_rank, preempt_rank_one
+from warm import WarmProcess, warm_popen  # type: ignore[import-not-found]
 
 import ddpkit
 from ddpkit.distributed.stops import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE, HangStopped, Preempted
@@ -136,10 +137,10 @@ _PARENT = textwrap.dedent(
 )
 
 
-def _start_parent(job: str, stderr: IO[str], sigint: str = "default") -> subprocess.Popen[str]:
+def _start_parent(job: str, stderr: IO[str], sigint: str = "default") -> WarmProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
     # A session of its own: its process group stands for a terminal's foreground job.
-    return subprocess.Popen(
+    return warm_popen(
         [sys.executable, "-c", _PARENT, str(TESTS_DIR), job, sigint],
         stdout=subprocess.PIPE,
         stderr=stderr,
@@ -149,9 +150,7 @@ def _start_parent(job: str, stderr: IO[str], sigint: str = "default") -> subproc
     )
 
 
-def _wait_for(
-    parent: subprocess.Popen[str], err: IO[str], word: str, count: int
-) -> list[list[str]]:
+def _wait_for(parent: WarmProcess, err: IO[str], word: str, count: int) -> list[list[str]]:
     """Read the children's stdout lines up to ``count`` that start with ``word``."""
     assert parent.stdout is not None
     found: list[list[str]] = []
@@ -176,7 +175,7 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def _cleanup(parent: subprocess.Popen[str], pids: list[int]) -> Iterator[None]:
+def _cleanup(parent: WarmProcess, pids: list[int]) -> Iterator[None]:
     try:
         yield
     finally:

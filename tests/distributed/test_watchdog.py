@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from train_jobs import slow_workers_run
+from warm import WarmProcess, warm_popen  # type: ignore[import-not-found]
 
 import ddpkit.distributed.watchdog as watchdog_module
 from ddpkit.distributed.processes import RankFailedError
@@ -44,7 +45,7 @@ class _Ended:
     log: str
 
 
-def _wait_or_kill(proc: subprocess.Popen[bytes]) -> float:
+def _wait_or_kill(proc: WarmProcess) -> float:
     """When ``proc`` ended (``time.time()``); killed, and ``inf``, past ``LIMIT_S``."""
     try:
         proc.wait(timeout=LIMIT_S)
@@ -70,7 +71,7 @@ def _run_job(
             with logs[-1].open("wb") as log:
                 args = [scenario, str(rank), str(world), str(port), str(timeout)]
                 command = [sys.executable, str(JOB), *args]
-                procs.append(subprocess.Popen(command, stderr=log, cwd=ROOT, env=env))
+                procs.append(warm_popen(command, stderr=log, cwd=ROOT, env=env))
         awaited = [proc for rank, proc in enumerate(procs) if rank not in stuck]
         with ThreadPoolExecutor(world) as pool:  # each exit time as it happens
             ended = dict(zip(awaited, pool.map(_wait_or_kill, awaited), strict=True))

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from doc_blocks import Block, all_blocks  # type: ignore[import-not-found]
 from doc_cases import ARRANGE, NOT_RAISED, unused_substitutions  # type: ignore[import-not-found]
+from warm import warm_popen, warm_run  # type: ignore[import-not-found]
 
 HERE = Path(__file__).resolve().parents[1] / "helpers"
 BLOCKS = all_blocks()
@@ -47,7 +48,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"import sys, pathlib; sys.path.insert(0, {str(HERE)!r}); import doc_context; "
         f"doc_context.make_world(pathlib.Path({str(root)!r}))"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    made = warm_run([sys.executable, "-c", code], timeout=300)
+    assert made.returncode == 0, f"making the doc world failed ({made.returncode})"
     del doc_context
     return root
 
@@ -65,15 +67,21 @@ def _run_file(doc: str, world: Path, tmp: Path) -> dict[str, Any]:
         out = tmp / (doc.replace("/", "_") + ".json")
         env = dict(os.environ, PYTHONPATH=_pythonpath())
         try:
-            done = subprocess.run(
+            # Forked from the suite's preloaded server (tests/helpers/warm.py), in a session
+            # of its own as a terminal's job; the page's shell blocks start fresh processes.
+            process = warm_popen(
                 [sys.executable, str(HERE / "doc_runner.py"), doc, str(world), str(out)],
                 env=env,
-                capture_output=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
-                timeout=FILE_TIMEOUT,
                 start_new_session=True,
             )
-            tail = (done.stdout + done.stderr)[-4000:]
+            try:
+                stdout, stderr = process.communicate(FILE_TIMEOUT)
+            finally:
+                process.kill()
+            tail = (stdout + stderr)[-4000:]
         except subprocess.TimeoutExpired:
             tail = f"the blocks of {doc} were still running after {FILE_TIMEOUT:.0f} s"
         results = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
@@ -198,13 +206,13 @@ def test_the_runner_reports_what_fails(world: Path, tmp_path: Path) -> None:
     page = tmp_path / "broken.md"
     page.write_text(_BROKEN, encoding="utf-8")
     out = tmp_path / "out.json"
-    subprocess.run(
+    done = warm_run(
         [sys.executable, str(HERE / "doc_runner.py"), str(page), str(world), str(out)],
         env=dict(os.environ, PYTHONPATH=_pythonpath()),
         capture_output=True,
         timeout=120,
-        check=True,
     )
+    assert done.returncode == 0, done.stderr
     results = json.loads(out.read_text(encoding="utf-8"))
     assert {k: v["ok"] for k, v in results.items()} == {
         "broken.md#Fails": False,

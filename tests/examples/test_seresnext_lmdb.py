@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from warm import warm_popen, warm_run  # type: ignore[import-not-found]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "seresnext_lmdb.py"
 # What a child of the test inherits: one thread per process, and no launcher
@@ -230,7 +231,7 @@ def test_evaluate_and_log_flags() -> None:
 def test_demo_trains_then_resumes(tmp_path: Path) -> None:
     cmd = [sys.executable, str(SCRIPT), "--demo", "--out", str(tmp_path), "--demo-epochs", "1",
            "--demo-per-class", "4", "--demo-classes", "2"]  # fmt: skip
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=220)
+    done = warm_run(cmd, env=_env(), capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stderr[-3000:]
     checkpoints = tmp_path / "checkpoints"
     assert (checkpoints / "latest.pth").is_file()
@@ -264,7 +265,7 @@ def test_two_nodes_one_process_each(tmp_path: Path) -> None:
               "-j", "0", "--requires-grad", "--checkpoints", str(tmp_path / "ckpt"),
               "--world-size", "2", "--dist-url", url, "--dist-backend", "gloo"]  # fmt: skip
     nodes = [
-        subprocess.Popen(
+        warm_popen(
             [*common, "--rank", str(r)],
             env=_env(),
             stdout=subprocess.PIPE,
@@ -305,7 +306,7 @@ def test_evaluate_prints_the_accuracy_training_logged(tmp_path: Path) -> None:
               "--image-size", "32", "-b", "4", "-j", "1", "--checkpoints", str(ckpt)]  # fmt: skip
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*common, *argv], env=_env(), capture_output=True, text=True,
+        return warm_run([*common, *argv], env=_env(), capture_output=True, text=True,
                               timeout=100)  # fmt: skip
 
     trained = run("--epochs", "1")
@@ -420,7 +421,7 @@ def test_the_modern_recipe_trains_resumes_and_reports(tmp_path: Path) -> None:
               "--clip-grad", "2"]  # fmt: skip
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*common, *argv], env=_env(), capture_output=True, text=True,
+        return warm_run([*common, *argv], env=_env(), capture_output=True, text=True,
                               timeout=150)  # fmt: skip
 
     first = run("--epochs", "2")

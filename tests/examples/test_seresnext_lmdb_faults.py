@@ -2,9 +2,14 @@
 
 Each run is the real ``examples/seresnext_lmdb.py`` on 2 CPU processes (Gloo)
 with timm's tiny ``test_resnet`` on a small shapes LMDB, step checkpoints
-every 2 steps, data workers from a forkserver (``--worker-start``). A run
-that nothing interrupts gives the weights that every interrupted and resumed
-run must end with, ``torch.equal``.
+every 2 steps. The runs that get the faults have data workers from a
+forkserver (``--worker-start``); the run that nothing interrupts, and the runs
+that resume an interrupted one to its end, read without workers (``-j 0``): a
+sample's augmentation depends on (seed, epoch, index) alone, so they see the
+same batches, and the weights every interrupted and resumed run ends with must
+be the uninterrupted run's, ``torch.equal``. The launchers start from the
+suite's preloaded server (``tests/helpers/warm.py``); their ranks start as
+they always do.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from warm import WarmProcess, warm_popen  # type: ignore[import-not-found]
 
 from ddpkit import PREEMPTED_EXIT_CODE, load_checkpoint
 
@@ -53,11 +59,12 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _args(data: Path, checkpoints: Path, *extra: str) -> list[str]:
+def _args(data: Path, checkpoints: Path, *extra: str, workers: int = 2) -> list[str]:
     return [str(SCRIPT), "--data", str(data), "--arch", "test_resnet", "--image-size", "32",
-            "--epochs", str(EPOCHS), "-b", "12", "-j", "2", "--requires-grad", "--lr", "0.05",
-            "--checkpoints", str(checkpoints), "--save-every-steps", "2", "--network", "tiny",
-            "--dist-backend", "gloo", "--worker-start", "forkserver", *extra]  # fmt: skip
+            "--epochs", str(EPOCHS), "-b", "12", "-j", str(workers), "--requires-grad",
+            "--lr", "0.05", "--checkpoints", str(checkpoints), "--save-every-steps", "2",
+            "--network", "tiny", "--dist-backend", "gloo", "--worker-start", "forkserver",
+            *extra]  # fmt: skip
 
 
 def _torchrun(*extra: str) -> list[str]:
@@ -65,16 +72,16 @@ def _torchrun(*extra: str) -> list[str]:
             "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *extra]  # fmt: skip
 
 
-def _spawn(data: Path, checkpoints: Path, nprocs: int, *extra: str) -> list[str]:
+def _spawn(data: Path, checkpoints: Path, nprocs: int, *extra: str, workers: int = 2) -> list[str]:
     return [sys.executable, *_args(data, checkpoints, "--multiprocessing-distributed",
-                                   "--nprocs", str(nprocs), *extra)]  # fmt: skip
+                                   "--nprocs", str(nprocs), *extra, workers=workers)]  # fmt: skip
 
 
 def _launch(
-    command: list[str], when: Callable[[subprocess.Popen[str]], None] | None = None
+    command: list[str], when: Callable[[WarmProcess], None] | None = None
 ) -> tuple[int, str]:
     """Run ``command`` to its end, calling ``when(process)`` first; its status and output."""
-    with subprocess.Popen(
+    with warm_popen(
         command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     ) as proc:
         try:
@@ -87,7 +94,7 @@ def _launch(
     return proc.returncode, out
 
 
-def _run(command: list[str], when: Callable[[subprocess.Popen[str]], None] | None = None) -> str:
+def _run(command: list[str], when: Callable[[WarmProcess], None] | None = None) -> str:
     """The output of ``command``, which must succeed."""
     code, out = _launch(command, when)
     assert code == 0, out[-4000:]
@@ -137,8 +144,8 @@ def _when_step_saved(checkpoints: Path, step: int) -> None:
         time.sleep(0.01)
 
 
-def _kill_a_worker(checkpoints: Path, step: int) -> Callable[[subprocess.Popen[str]], None]:
-    def kill(proc: subprocess.Popen[str]) -> None:
+def _kill_a_worker(checkpoints: Path, step: int) -> Callable[[WarmProcess], None]:
+    def kill(proc: WarmProcess) -> None:
         _when_step_saved(checkpoints, step)
         workers = _workers(proc.pid)
         assert workers, "no worker process found"
@@ -147,8 +154,8 @@ def _kill_a_worker(checkpoints: Path, step: int) -> Callable[[subprocess.Popen[s
     return kill
 
 
-def _terminate_launcher(checkpoints: Path, step: int) -> Callable[[subprocess.Popen[str]], None]:
-    def term(proc: subprocess.Popen[str]) -> None:
+def _terminate_launcher(checkpoints: Path, step: int) -> Callable[[WarmProcess], None]:
+    def term(proc: WarmProcess) -> None:
         _when_step_saved(checkpoints, step)
         proc.send_signal(signal.SIGTERM)
 
@@ -162,7 +169,7 @@ def _final(checkpoints: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     checkpoints = tmp_path_factory.mktemp("reference")
-    out = _run(_spawn(data, checkpoints, 2))
+    out = _run(_spawn(data, checkpoints, 2, workers=0))
     assert f"epoch {EPOCHS}/{EPOCHS}: train_loss" in out, out[-3000:]
     return _final(checkpoints)
 
@@ -173,21 +180,21 @@ def _assert_equal(weights: dict[str, torch.Tensor], reference: dict[str, torch.T
         assert torch.equal(weights[key], value), key
 
 
-def _kill_then_terminate(checkpoints: Path) -> Callable[[subprocess.Popen[str]], None]:
+def _kill_then_terminate(checkpoints: Path) -> Callable[[WarmProcess], None]:
     """Kill a worker once step 2 is saved; SIGTERM the launcher once the restarted run saved 6."""
 
-    def faults(proc: subprocess.Popen[str]) -> None:
+    def faults(proc: WarmProcess) -> None:
         _kill_a_worker(checkpoints, 2)(proc)
         _terminate_launcher(checkpoints, 6)(proc)
 
     return faults
 
 
-# The spawn launcher gets both faults in one job: a worker killed after step 2 (the
-# launcher restarts them all, which resume from that step), then SIGTERM to the launcher
-# after step 6 (the workers save and stop). A spawn run resumes it to the end, and its
-# weights must be the reference's: they are only if both resumes were exact. The tests
-# of spawn share that job and its resumed run, and each asserts on its part of them.
+# Each launcher gets both faults in one job: a worker killed after step 2 (the launcher
+# restarts them all, which resume from that step), then SIGTERM to the launcher after
+# step 6 (the workers save and stop). A spawn run resumes it to the end, and its weights
+# must be the reference's: they are only if both resumes were exact. The tests of a
+# launcher share its job and the resumed run, and each asserts on its part of them.
 Job = tuple[int, str, Path]  # a run's status, output and checkpoints
 
 
@@ -200,7 +207,7 @@ def _resumed(job: Job, data: Path, tmp_path_factory: pytest.TempPathFactory, npr
     """A spawn run on ``nprocs`` that resumes a copy of ``job``'s checkpoints to the end."""
     copy = tmp_path_factory.mktemp("resumed") / "checkpoints"
     shutil.copytree(job[2], copy)
-    code, out = _launch(_spawn(data, copy, nprocs, "--resume"))
+    code, out = _launch(_spawn(data, copy, nprocs, "--resume", workers=0))
     return code, out, copy
 
 
@@ -213,6 +220,20 @@ def spawn_job(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Job:
 @pytest.fixture(scope="module")
 def spawn_resumed(data: Path, spawn_job: Job, tmp_path_factory: pytest.TempPathFactory) -> Job:
     return _resumed(spawn_job, data, tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def torchrun_job(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    checkpoints = tmp_path_factory.mktemp("torchrun")
+    command = [*_torchrun("--max-restarts", "3"), *_args(data, checkpoints, "--resume")]
+    return _faulty_job(command, checkpoints)
+
+
+@pytest.fixture(scope="module")
+def torchrun_resumed(
+    data: Path, torchrun_job: Job, tmp_path_factory: pytest.TempPathFactory
+) -> Job:
+    return _resumed(torchrun_job, data, tmp_path_factory, 2)
 
 
 def _assert_resumed_bit_exact(resumed: Job, reference: dict[str, torch.Tensor]) -> None:
@@ -232,16 +253,15 @@ def _assert_stop_checkpoint(out: str) -> None:
     assert path.is_file(), said.group(0)
 
 
-@pytest.mark.timeout(2 * _LIMIT_S)
+@pytest.mark.timeout(3 * _LIMIT_S)
 def test_torchrun_restarts_a_killed_worker_and_ends_bit_exact(
-    data: Path, reference: dict[str, torch.Tensor], tmp_path: Path
+    torchrun_job: Job, torchrun_resumed: Job, reference: dict[str, torch.Tensor]
 ) -> None:
-    command = [*_torchrun("--max-restarts", "3"), *_args(data, tmp_path, "--resume")]
-    out = _run(command, _kill_a_worker(tmp_path, 6))
+    out = torchrun_job[1]
     resumed = re.search(r"resuming at epoch \d+ step (\d+) \(\d+ batches of the epoch done\)", out)
     assert resumed, out[-4000:]
-    assert int(resumed.group(1)) >= 6  # from a step checkpoint, not from the start
-    _assert_equal(_final(tmp_path), reference)
+    assert int(resumed.group(1)) >= 2  # from a step checkpoint, not from the start
+    _assert_resumed_bit_exact(torchrun_resumed, reference)
 
 
 @pytest.mark.timeout(3 * _LIMIT_S)
@@ -276,29 +296,26 @@ def test_a_2_rank_run_continues_on_3_with_a_warning(
     assert load_checkpoint(checkpoints / "latest.pth")["world_size"] == 3
 
 
-@pytest.mark.timeout(2 * _LIMIT_S)
+@pytest.mark.timeout(3 * _LIMIT_S)
 def test_sigterm_to_torchrun_reaches_the_workers_which_save_and_resume_bit_exact(
-    data: Path, reference: dict[str, torch.Tensor], tmp_path: Path
+    torchrun_job: Job, torchrun_resumed: Job, reference: dict[str, torch.Tensor]
 ) -> None:
-    command = [*_torchrun("--max-restarts", "3"), *_args(data, tmp_path, "--resume")]
-    code, out = _launch(command, _terminate_launcher(tmp_path, 2))
+    code, out, _ = torchrun_job
     assert code != 0, out[-4000:]  # torchrun's own status after a signal; never a restart
     assert "stopped by SIGTERM after step" in out, out[-4000:]
     _assert_stop_checkpoint(out)
-    out = _run(_spawn(data, tmp_path, 2, "--resume"))
-    assert "resuming at epoch" in out, out[-4000:]
-    _assert_equal(_final(tmp_path), reference)
+    _assert_resumed_bit_exact(torchrun_resumed, reference)
 
 
 @pytest.mark.timeout(2 * _LIMIT_S)
 def test_ctrl_c_to_torchrun_stops_the_ranks_with_a_checkpoint(data: Path, tmp_path: Path) -> None:
     # What docs/quickstart.md says a person sees: the ranks' stop line and checkpoint, then
     # torchrun's own SignalException traceback and its exit status 1.
-    def interrupt(proc: subprocess.Popen[str]) -> None:
+    def interrupt(proc: WarmProcess) -> None:
         _when_step_saved(tmp_path, 2)
         proc.send_signal(signal.SIGINT)
 
-    code, out = _launch([*_torchrun(), *_args(data, tmp_path)], interrupt)
+    code, out = _launch([*_torchrun(), *_args(data, tmp_path, workers=0)], interrupt)
     assert code == 1, out[-4000:]
     said = re.search(r"stopped by SIGINT after step \d+, checkpoint (\S+);", out)
     assert said is not None, out[-4000:]

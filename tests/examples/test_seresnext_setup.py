@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from warm import warm_run  # type: ignore[import-not-found]
 
 import ddpkit
 
@@ -188,7 +188,7 @@ def test_a_batch_that_does_not_divide_under_torchrun_fails_fast(tmp_path: Path) 
         "gloo",
     ]
     began = time.monotonic()
-    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=100)
+    done = warm_run(command, env=_env(), capture_output=True, text=True, timeout=100)
     out = done.stdout + done.stderr
     assert done.returncode != 0
     assert out.count("-b 15 is not divisible by 2 processes") == 1, out[-3000:]

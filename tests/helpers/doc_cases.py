@@ -46,6 +46,8 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("docs/quickstart.md", "--epochs 30", "--epochs 1"),
     ("docs/quickstart.md", "--data data   #", "--data data --epochs 1   #"),
     ("docs/quickstart.md", "--warmup-epochs 5", "--warmup-epochs 1 --epochs 2"),
+    # Two processes stand for a server's four GPUs (each process a fresh interpreter).
+    ("docs/quickstart.md", "--nproc-per-node 4", "--nproc-per-node 2"),
     ("docs/quickstart.md", "--data data", "--data data --arch test_resnet --image-size 32"),
     # The recipe file on the same scale: one epoch of the small model at 32 px.
     ("docs/quickstart.md", "arch: legacy_seresnext50_32x4d", "arch: test_resnet\nimage_size: 32"),

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,7 @@ class Runner:
         self.scratch = Path(tempfile.mkdtemp(prefix="ddpkit-doc-"))
         self.world: Path | None = None
         self.count = 0
+        self.started = time.monotonic()
         self.env = dict(os.environ)
 
     def fresh_world(self) -> None:
@@ -121,7 +123,8 @@ class Runner:
         sys.path.insert(0, str(self.world))
 
     def record(self, block: Block, **result: Any) -> None:
-        self.results[block.key] = {"where": block.where, **result}
+        seconds = round(time.monotonic() - self.started, 2)  # the block's, for the slowest list
+        self.results[block.key] = {"where": block.where, "seconds": seconds, **result}
         tmp = self.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.results, indent=1), encoding="utf-8")
         os.replace(tmp, self.out)
@@ -139,6 +142,7 @@ class Runner:
                 continue
             assert self.world is not None
             code = substitute(block)
+            self.started = time.monotonic()
             arrange = ARRANGE.get(block.key)
             try:
                 extra = arrange(self.world) if arrange else {}

@@ -289,8 +289,13 @@ def tracker_job(
         NoisyBlobs(n=32), global_batch_size=16, train=True, workers=0, seed=5, info=info
     )
 
+    checkpoints = CheckpointManager(Path(directory) / "ckpt", prefix="tiny")
+
     def kill(record: dict[str, Any]) -> None:
         if record["epoch"] == kill_at:
+            # The epoch before is saved (its write may still run in the background on a
+            # busy machine): the job dies between two checkpoints, not before its first.
+            checkpoints.wait()
             os.kill(os.getpid(), signal.SIGKILL)
 
     fit(
@@ -299,7 +304,7 @@ def tracker_job(
         torch.optim.SGD(model.parameters(), lr=0.05),
         criterion=nn.CrossEntropyLoss(),
         epochs=epochs,
-        checkpoints=CheckpointManager(Path(directory) / "ckpt", prefix="tiny"),
+        checkpoints=checkpoints,
         resume=resume,
         config=TrainConfig(normalize=None),
         report=ReportConfig(

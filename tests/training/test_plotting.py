@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from warm import warm_run  # type: ignore[import-not-found]
 
 from ddpkit.training.plotting import PlotUnavailable, plot_run, read_metrics
 
@@ -78,12 +79,12 @@ def test_the_cli_draws_a_run_and_names_what_is_missing(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     _write(tmp_path / "metrics.jsonl", [_epoch(1, 10.0), _epoch(2, 20.0)])
     command = [sys.executable, "-m", "ddpkit", "plot", str(tmp_path), "-o", str(tmp_path / "c.png")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done = warm_run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(tmp_path / "c.png")
     assert (tmp_path / "c.png").is_file()
-    missing = subprocess.run([sys.executable, "-m", "ddpkit", "plot", str(tmp_path / "nope")],
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    missing = warm_run([sys.executable, "-m", "ddpkit", "plot", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
     assert missing.returncode == 1
     assert missing.stderr.startswith("error: ")
     assert "no such file" in missing.stderr

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 from train_jobs import tracker_job
+from warm import warm_run  # type: ignore[import-not-found]
 
 from ddpkit import ReportConfig, TrainConfig, fit
 from ddpkit.testing import run_distributed
@@ -52,7 +52,7 @@ def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("trackers")
     env = {**os.environ, **_tracker_env(root), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests/helpers'}"}
     code = f"from train_jobs import tracker_job; tracker_job(0, 1, {str(root)!r}, 3, False, 2)"
-    killed = subprocess.run([sys.executable, "-c", code], env=env, timeout=240, check=False)
+    killed = warm_run([sys.executable, "-c", code], env=env, timeout=240)
     assert killed.returncode == -9  # SIGKILL, as a lost node or the OOM killer would
     with pytest.MonkeyPatch.context() as mp:
         for key, value in _tracker_env(root).items():

@@ -1,0 +1,279 @@
+"""``python SCRIPT ARGS`` without the imports: a process forked from the suite's preloaded server.
+
+A fresh interpreter spends seconds importing torch, torchvision and timm before a script's first
+line; a test that runs the example or a rank's script ten times pays that ten times.
+:func:`warm_popen` forks the process instead from the forkserver that ``run_distributed`` uses
+(``ddpkit.distributed.processes``), which imported them once, and runs the script there as
+``python`` would: as ``__main__`` (a script, ``-m MODULE`` or ``-c CODE``) with its ``sys.argv``
+and ``sys.path[0]``, the given environment, directory and standard streams, the caller's SIGINT
+disposition (ignored under ``nohup``), its own session if asked, the exit status of an uncaught
+exception, ``SystemExit`` or ``KeyboardInterrupt``, and the ``atexit`` handlers run at the end.
+Processes the script starts (``spawn``'s ranks, torchrun's workers, DataLoader workers) start as
+they always do.
+
+Tests whose subject is how a process starts (a launcher's own start-up, a
+console script, ``nohup``) keep ``subprocess``; the rest may use this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from ddpkit.distributed.child import die_with_parent
+from ddpkit.distributed.processes import FORKSERVER_PRELOAD, start_forkserver
+
+# What the server imports besides run_distributed's modules: the example and its models.
+PRELOAD = (*FORKSERVER_PRELOAD, "timm", "ddpkit.examples.seresnext_lmdb")
+
+PIPE = subprocess.PIPE
+STDOUT = subprocess.STDOUT
+DEVNULL = subprocess.DEVNULL
+
+
+def start_server() -> None:
+    """Start the forkserver with :data:`PRELOAD`, unless one runs already."""
+    start_forkserver(mp.get_context("forkserver"), PRELOAD)
+
+
+class _Fd:
+    """A descriptor of the caller's, handed to the child while it starts (``DupFd``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _Fd._taken, (mp.reduction.DupFd(self.fd),)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _taken(dup: Any) -> int:
+        return int(dup.detach())
+
+
+def _stream(target: Any, default: int) -> tuple[int | None, int | None]:
+    """(fd to give the child, our end of a pipe) for a ``subprocess``-style ``stdout=``."""
+    if target is None:
+        return default, None
+    if target == PIPE:
+        read, write = os.pipe()
+        return write, read
+    if target == DEVNULL:
+        return os.open(os.devnull, os.O_WRONLY), None
+    if isinstance(target, int):
+        return target, None
+    return target.fileno(), None
+
+
+def _main(
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    fds: tuple[int, int],
+    sigint_ignored: bool,
+    new_session: bool,
+) -> None:
+    for target, fd in zip((1, 2), fds, strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
+    if new_session:
+        os.setsid()
+    die_with_parent(os.getppid())  # the server, which ends with the test process
+    signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.default_int_handler)
+    # A multiprocessing child takes its own start method as the default; python's is unset.
+    mp.set_start_method(None, force=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    sys.stdout = io.TextIOWrapper(
+        open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),  # noqa: SIM115
+        line_buffering=os.isatty(1),
+        write_through=unbuffered,
+    )
+    sys.stderr = io.TextIOWrapper(
+        open(2, "wb", buffering=0, closefd=False),  # noqa: SIM115
+        errors="backslashreplace",
+        line_buffering=True,
+    )
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    how = argv[1] if argv[1] in ("-m", "-c") else "script"
+    first = {"-m": os.getcwd(), "-c": ""}.get(how, str(Path(argv[1]).resolve().parent))
+    sys.path[:] = [first, *paths, *(p for p in sys.path if p not in paths and p != first)]
+    code = _run(argv[2:] if how != "script" else argv[1:], how)
+    with contextlib.suppress(Exception):
+        threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter does at exit
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if code == -signal.SIGINT:  # an uncaught KeyboardInterrupt ends python by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+def _run(args: list[str], how: str) -> int:
+    """Run the script, module or ``-c`` code as ``__main__``; its exit status, as python's."""
+    import runpy
+
+    sys.argv = ["-c", *args[1:]] if how == "-c" else list(args)
+    try:
+        if how == "-m":
+            runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+        elif how == "-c":
+            main = type(sys)("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(args[0], "<string>", "exec"), main.__dict__)
+        else:
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code & 0xFF
+        print(e.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        return -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return 0
+
+
+class WarmProcess:
+    """The part of ``subprocess.Popen`` the tests use, for a process :func:`warm_popen` started."""
+
+    def __init__(self, process: Any, stdout: IO[Any] | None, stderr: IO[Any] | None,
+                 args: list[str]) -> None:  # fmt: skip
+        self._process = process
+        self.pid: int = process.pid
+        self.stdout, self.stderr = stdout, stderr
+        self.args = args
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode  # type: ignore[no-any-return]
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        """What the pipes held until the process closed them, then its status as ``wait``."""
+        read: dict[int, Any] = {}
+        threads = []
+        for i, pipe in enumerate((self.stdout, self.stderr)):
+            if pipe is not None:
+                thread = threading.Thread(target=lambda i=i, p=pipe: read.__setitem__(i, p.read()))
+                thread.daemon = True
+                thread.start()
+                threads.append(thread)
+        for thread in threads:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        for pipe in (self.stdout, self.stderr):
+            if pipe is not None:
+                pipe.close()
+        self.wait(timeout)
+        return read.get(0), read.get(1)
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self) -> WarmProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for pipe in (self.stdout, self.stderr):
+            if pipe is not None:
+                pipe.close()
+        self.wait()
+
+
+def warm_popen(
+    args: Sequence[str | os.PathLike[str]],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    text: bool = False,
+    start_new_session: bool = False,
+) -> WarmProcess:
+    """``subprocess.Popen`` for ``[sys.executable, SCRIPT | -m MODULE | -c CODE, ...]``."""
+    argv = [os.fspath(a) for a in args]
+    flag = len(argv) > 1 and argv[1].startswith("-")
+    if argv[0] != sys.executable or len(argv) < 2 or (flag and argv[1] not in ("-m", "-c")):
+        raise ValueError(f"warm_popen runs `python SCRIPT|-m MODULE|-c CODE ...`, not {argv}")
+    start_server()
+    out, out_read = _stream(stdout, 1)
+    err, err_read = (out, None) if stderr == STDOUT else _stream(stderr, 2)
+    made = ((out, out_read is not None or stdout == DEVNULL),
+            (err, err_read is not None or stderr == DEVNULL))  # fmt: skip
+    ours = [fd for fd, ours_ in made if ours_]
+    ctx = mp.get_context("forkserver")
+    sigint_ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    environ = dict(os.environ if env is None else env)
+    where = os.fspath(cwd) if cwd is not None else os.getcwd()
+    fds = (_Fd(out), _Fd(err))  # type: ignore[arg-type]
+    process = ctx.Process(
+        target=_main,
+        args=(argv, environ, where, fds, sigint_ignored, start_new_session),
+        name="ddpkit-test-warm",
+    )
+    try:
+        process.start()
+    finally:
+        for fd in set(ours):
+            os.close(fd)  # the child has its copies
+    mode = "r" if text else "rb"
+    pipes = [None if fd is None else open(fd, mode) for fd in (out_read, err_read)]  # noqa: SIM115
+    return WarmProcess(process, pipes[0], pipes[1], argv)
+
+
+def warm_run(
+    args: Sequence[str | os.PathLike[str]],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    capture_output: bool = False,
+    text: bool = False,
+    timeout: float | None = None,
+) -> subprocess.CompletedProcess[Any]:
+    """``subprocess.run`` for :func:`warm_popen`; killed at ``timeout`` (``TimeoutExpired``)."""
+    stream = PIPE if capture_output else None
+    process = warm_popen(args, env=env, cwd=cwd, stdout=stream, stderr=stream, text=text)
+    try:
+        out, err = process.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(process.args, process.wait(), out, err)

@@ -1,0 +1,99 @@
+"""tests/helpers/warm.py: a script run from the preloaded server behaves as under a fresh python."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from warm import PIPE, STDOUT, warm_popen, warm_run  # type: ignore[import-not-found]
+
+_SCRIPT = """\
+import atexit, os, signal, sys, threading, time
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread ended", flush=True))).start()
+print("argv", sys.argv[1:], "path0", sys.path[0], "cwd", os.getcwd(), "FOO", os.environ.get("FOO"))
+sid = os.getsid(0) == os.getpid()
+print("main", __name__, "sigint", signal.getsignal(signal.SIGINT), "sid", sid)
+import multiprocessing
+print("start method", multiprocessing.get_start_method(allow_none=True))
+print("to stderr", file=sys.stderr)
+how = sys.argv[1]
+if how == "exit3":
+    sys.exit(3)
+if how == "exit-text":
+    sys.exit("a message")
+if how == "raise":
+    raise ValueError("boom")
+if how == "interrupt":
+    raise KeyboardInterrupt
+"""
+
+_CASES = ["fine", "exit3", "exit-text", "raise", "interrupt"]
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "bin" / "job.py"
+    path.parent.mkdir()
+    path.write_text(_SCRIPT, encoding="utf-8")
+    return path
+
+
+def _both(argv: list[str], cwd: Path, ignore_sigint: bool = False) -> tuple[object, object]:
+    env = dict(os.environ, FOO="bar", PYTHONPATH=str(cwd))
+    handler = signal.SIG_IGN if ignore_sigint else signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        warm = warm_run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+        fresh = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return warm, fresh
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", _CASES)
+def test_a_script_ends_as_under_python(how: str, script: Path, tmp_path: Path) -> None:
+    warm, fresh = _both([sys.executable, str(script), how], tmp_path)
+    assert (warm.returncode, warm.stdout) == (fresh.returncode, fresh.stdout)  # type: ignore[attr-defined]
+    assert warm.stderr.splitlines()[-1] == fresh.stderr.splitlines()[-1]  # type: ignore[attr-defined]
+    assert "thread ended\natexit ran" in warm.stdout  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_a_module_and_code_run_as_under_python(script: Path, tmp_path: Path) -> None:
+    (tmp_path / "jobmod.py").write_text(_SCRIPT, encoding="utf-8")
+    for argv in (
+        [sys.executable, "-m", "jobmod", "exit3"],
+        [sys.executable, "-c", _SCRIPT, "raise"],
+    ):
+        warm, fresh = _both(argv, tmp_path)
+        assert (warm.returncode, warm.stdout) == (fresh.returncode, fresh.stdout)  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_an_ignored_sigint_is_inherited_as_under_python(script: Path, tmp_path: Path) -> None:
+    warm, fresh = _both([sys.executable, str(script), "fine"], tmp_path, ignore_sigint=True)
+    assert f"sigint {int(signal.SIG_IGN)} " in warm.stdout  # type: ignore[attr-defined]
+    assert warm.stdout == fresh.stdout  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_signals_sessions_and_a_pipe_read_while_it_runs(tmp_path: Path) -> None:
+    code = "import os, sys, time\nprint(os.getsid(0) == os.getpid(), flush=True)\ntime.sleep(60)"
+    started = time.monotonic()
+    proc = warm_popen([sys.executable, "-c", code], stdout=PIPE, stderr=STDOUT, text=True,
+                      start_new_session=True)  # fmt: skip
+    assert proc.stdout.readline() == "True\n"  # its own session, read before it ends
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM
+    assert time.monotonic() - started < 30  # not the 60 s the script would sleep
+    with pytest.raises(ValueError, match="python SCRIPT"):
+        warm_popen(["bash", "-c", "true"])
