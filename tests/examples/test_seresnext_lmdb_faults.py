@@ -35,9 +35,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "seresnext_lmdb.py"
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")
 _LIMIT_S = 240
-# 48 images, a global batch of 12 on 2 ranks: 4 steps an epoch, 12 in all; step
-# checkpoints at steps 2, 6 and 10 (4, 8 and 12 end an epoch).
-EPOCHS, STEPS_PER_EPOCH = 3, 4
+# 96 images, a global batch of 12 on 2 ranks: 8 steps an epoch, 24 in all; step
+# checkpoints every 2 steps (8, 16 and 24 end an epoch). A signal sent once a step's
+# checkpoint appears (written in the background, so the ranks may be a step or two
+# further) still lands well inside the epoch: never while a validation's data
+# workers start, which a launcher's signal to the whole process group would kill.
+EPOCHS, STEPS_PER_EPOCH = 3, 8
 
 
 def _env() -> dict[str, str]:
@@ -52,7 +55,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from ddpkit.data.shapes import make_shapes_dataset
 
     root = tmp_path_factory.mktemp("shapes")
-    sizes = {"train_per_class": 16, "val_per_class": 4, "size": 32}
+    sizes = {"train_per_class": 32, "val_per_class": 4, "size": 32}
     dirs = make_shapes_dataset(root / "src", classes=3, **sizes)
     for split, source in zip(("train", "val"), dirs, strict=True):
         ddpkit.build_lmdb(source, root / f"{split}.lmdb", progress=False)
@@ -181,18 +184,18 @@ def _assert_equal(weights: dict[str, torch.Tensor], reference: dict[str, torch.T
 
 
 def _kill_then_terminate(checkpoints: Path) -> Callable[[WarmProcess], None]:
-    """Kill a worker once step 2 is saved; SIGTERM the launcher once the restarted run saved 6."""
+    """Kill a worker once step 2 is saved; SIGTERM the launcher once the restarted run saved 10."""
 
     def faults(proc: WarmProcess) -> None:
         _kill_a_worker(checkpoints, 2)(proc)
-        _terminate_launcher(checkpoints, 6)(proc)
+        _terminate_launcher(checkpoints, 10)(proc)
 
     return faults
 
 
 # Each launcher gets both faults in one job: a worker killed after step 2 (the launcher
 # restarts them all, which resume from that step), then SIGTERM to the launcher after
-# step 6 (the workers save and stop). A spawn run resumes it to the end, and its weights
+# step 10 (the workers save and stop). A spawn run resumes it to the end, and its weights
 # must be the reference's: they are only if both resumes were exact. The tests of a
 # launcher share its job and the resumed run, and each asserts on its part of them.
 Job = tuple[int, str, Path]  # a run's status, output and checkpoints
