@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ from torch.utils.data import (
     RandomSampler,
     SequentialSampler,
 )
-from warm import warm_popen, warm_run  # type: ignore[import-not-found]
+from warm import warm_run  # type: ignore[import-not-found]
 
 from ddpkit.data import DistributedEvalSampler, build_loader, set_epoch
 from ddpkit.distributed import comm
@@ -202,12 +201,10 @@ print("workers", len(pids), "same", rest == pids, flush=True)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"])
 def test_workers_outlive_a_signal_to_the_whole_group_and_still_end_at_exit(name: str) -> None:
-    process = warm_popen(
-        [sys.executable, "-c", _GROUP_SIGNAL_JOB, name], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,  # a group of its own
+    done = warm_run(
+        [sys.executable, "-c", _GROUP_SIGNAL_JOB, name], capture_output=True, text=True,
+        timeout=90, start_new_session=True,  # a process group of its own to signal
     )  # fmt: skip
-    stdout, stderr = process.communicate(timeout=90)
-    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"parent got {name}" in done.stdout
     assert "workers 2 same True" in done.stdout, done.stderr[-3000:]

@@ -266,10 +266,12 @@ def warm_run(
     capture_output: bool = False,
     text: bool = False,
     timeout: float | None = None,
+    start_new_session: bool = False,
 ) -> subprocess.CompletedProcess[Any]:
     """``subprocess.run`` for :func:`warm_popen`; killed at ``timeout`` (``TimeoutExpired``)."""
     stream = PIPE if capture_output else None
-    process = warm_popen(args, env=env, cwd=cwd, stdout=stream, stderr=stream, text=text)
+    process = warm_popen(args, env=env, cwd=cwd, stdout=stream, stderr=stream, text=text,
+                         start_new_session=start_new_session)  # fmt: skip
     try:
         out, err = process.communicate(timeout)
     except subprocess.TimeoutExpired:
