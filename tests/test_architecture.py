@@ -36,6 +36,7 @@ TOP = {
     "__main__",
     "_docs",
     "_graveyard",
+    "_lazy",
     "_numbers",
     "_version",
     "cli",

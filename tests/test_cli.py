@@ -94,3 +94,38 @@ def test_unknown_option_from_the_console_script() -> None:
     assert out.stderr.startswith("usage: ddpkit lmdb build [-h]")
     assert "ddpkit lmdb build: error: unrecognized arguments: --bogus" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+# Run the command in a fresh interpreter, then say which heavy libraries it imported.
+_IMPORTED = (
+    "import sys; from ddpkit.cli import main; status = main(sys.argv[1:]); "
+    "print(*sorted(m for m in ('torch', 'torchvision', 'timm') if m in sys.modules)); "
+    "sys.exit(status)"
+)
+
+
+def test_reading_commands_start_without_torch(tmp_path: Path) -> None:
+    # `ddpkit lmdb info` reads the index, `ddpkit plot` the metrics: neither needs torch
+    # (each costs seconds to import); `ddpkit lmdb verify` decodes, so it does.
+    pytest.importorskip("matplotlib")
+    from ddpkit.data import make_shapes_dataset
+
+    train, _ = make_shapes_dataset(
+        tmp_path / "images", classes=2, train_per_class=2, val_per_class=1, size=16
+    )
+    assert main(["lmdb", "build", str(train), str(tmp_path / "db"), "--no-progress"]) == 0
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        '{"epoch": 1, "train_loss": 1.0, "val_loss": 1.1, "val_acc1": 50.0, "lr": 0.1}\n'
+    )
+    commands = {
+        "info": (["lmdb", "info", str(tmp_path / "db"), "--json"], ""),
+        "plot": (["plot", str(tmp_path / "run"), "-o", str(tmp_path / "c.png")], ""),
+        "verify": (["lmdb", "verify", str(tmp_path / "db"), "--no-progress"], "torch"),
+    }
+    for name, (args, imported) in commands.items():
+        done = subprocess.run(
+            [sys.executable, "-c", _IMPORTED, *args], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, f"{name}: {done.stderr}"
+        assert done.stdout.splitlines()[-1] == imported, name

@@ -25,12 +25,16 @@ This package imports ``ddpkit.distributed`` and nothing of ``ddpkit.training``
 or ``ddpkit.data``.
 """
 
-from typing import Any
+from __future__ import annotations
 
-from ddpkit import _graveyard
-from ddpkit.checkpoint.manager import CheckpointManager
-from ddpkit.checkpoint.serialization import CheckpointError, load_checkpoint, save_checkpoint
-from ddpkit.checkpoint.state import TrainingState
+from typing import TYPE_CHECKING
+
+from ddpkit._lazy import lazy_names
+
+if TYPE_CHECKING:
+    from ddpkit.checkpoint.manager import CheckpointManager
+    from ddpkit.checkpoint.serialization import CheckpointError, load_checkpoint, save_checkpoint
+    from ddpkit.checkpoint.state import TrainingState
 
 __all__ = [
     "CheckpointError",
@@ -40,6 +44,15 @@ __all__ = [
     "save_checkpoint",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    return _graveyard.moved_name(__name__, name)
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "ddpkit.checkpoint.manager": ("CheckpointManager",),
+        "ddpkit.checkpoint.serialization": (
+            "CheckpointError",
+            "load_checkpoint",
+            "save_checkpoint",
+        ),
+        "ddpkit.checkpoint.state": ("TrainingState",),
+    },
+)

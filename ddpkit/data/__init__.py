@@ -23,23 +23,30 @@ This package imports ``ddpkit.distributed`` and nothing of
 ``ddpkit.checkpoint`` or ``ddpkit.training``.
 """
 
-from ddpkit.data.balanced import WeightedDistributedSampler, class_weights
-from ddpkit.data.images import ImageTooLargeError
-from ddpkit.data.lmdb_build import BuildSummary, ImageError, build_lmdb
-from ddpkit.data.lmdb_dataset import LazyLMDBDataset
-from ddpkit.data.lmdb_format import LMDBFormatError, read_index
-from ddpkit.data.lmdb_inspect import VerifyReport, describe_lmdb, verify_lmdb, verify_report
-from ddpkit.data.loaders import build_loader
-from ddpkit.data.mixing import mixup_cutmix
-from ddpkit.data.samplers import DistributedEvalSampler, set_epoch
-from ddpkit.data.shapes import SHAPE_CLASSES, make_shapes_dataset
-from ddpkit.data.transforms import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    normalize_batch,
-    train_transform,
-    val_transform,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ddpkit._lazy import lazy_names
+
+if TYPE_CHECKING:
+    from ddpkit.data.balanced import WeightedDistributedSampler, class_weights
+    from ddpkit.data.images import ImageTooLargeError
+    from ddpkit.data.lmdb_build import BuildSummary, ImageError, build_lmdb
+    from ddpkit.data.lmdb_dataset import LazyLMDBDataset
+    from ddpkit.data.lmdb_format import LMDBFormatError, read_index
+    from ddpkit.data.lmdb_inspect import VerifyReport, describe_lmdb, verify_lmdb, verify_report
+    from ddpkit.data.loaders import build_loader
+    from ddpkit.data.mixing import mixup_cutmix
+    from ddpkit.data.samplers import DistributedEvalSampler, set_epoch
+    from ddpkit.data.shapes import SHAPE_CLASSES, make_shapes_dataset
+    from ddpkit.data.transforms import (
+        IMAGENET_MEAN,
+        IMAGENET_STD,
+        normalize_batch,
+        train_transform,
+        val_transform,
+    )
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -67,3 +74,31 @@ __all__ = [
     "verify_lmdb",
     "verify_report",
 ]
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "ddpkit.data.balanced": ("WeightedDistributedSampler", "class_weights"),
+        "ddpkit.data.images": ("ImageTooLargeError",),
+        "ddpkit.data.lmdb_build": ("BuildSummary", "ImageError", "build_lmdb"),
+        "ddpkit.data.lmdb_dataset": ("LazyLMDBDataset",),
+        "ddpkit.data.lmdb_format": ("LMDBFormatError", "read_index"),
+        "ddpkit.data.lmdb_inspect": (
+            "VerifyReport",
+            "describe_lmdb",
+            "verify_lmdb",
+            "verify_report",
+        ),
+        "ddpkit.data.loaders": ("build_loader",),
+        "ddpkit.data.mixing": ("mixup_cutmix",),
+        "ddpkit.data.samplers": ("DistributedEvalSampler", "set_epoch"),
+        "ddpkit.data.shapes": ("SHAPE_CLASSES", "make_shapes_dataset"),
+        "ddpkit.data.transforms": (
+            "IMAGENET_MEAN",
+            "IMAGENET_STD",
+            "normalize_batch",
+            "train_transform",
+            "val_transform",
+        ),
+    },
+)

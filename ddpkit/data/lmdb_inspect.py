@@ -8,7 +8,7 @@ can read.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from functools import partial
@@ -18,7 +18,6 @@ import lmdb
 import numpy as np
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
-from ddpkit.data.images import check_image, pixel_limit
 from ddpkit.data.lmdb_format import (
     FORMAT_NAME,
     LMDBFormatError,
@@ -27,7 +26,6 @@ from ddpkit.data.lmdb_format import (
     sample_key,
 )
 from ddpkit.data.threads import check_workers, ordered_map
-from ddpkit.distributed.devices import usable_cpus
 
 __all__ = ["BadSample", "VerifyReport", "describe_lmdb", "verify_lmdb", "verify_report"]
 
@@ -94,6 +92,10 @@ def verify_report(
         FileNotFoundError, LMDBFormatError: ``path`` is not a ddpkit database.
         ValueError, TypeError: ``workers`` is not a whole number in 1..1024.
     """
+    # The decoder and the CPU count import torch: here, so that `ddpkit lmdb info` starts without.
+    from ddpkit.data.images import check_image, pixel_limit
+    from ddpkit.distributed.devices import usable_cpus
+
     check_workers(workers)
     pixel_limit(max_pixels)
     path = os.fspath(path)
@@ -104,7 +106,7 @@ def verify_report(
         index = read_index(path)  # built without a path column
         names = [""] * len(index)
     bad: list[BadSample] = []
-    decode = partial(_check_chunk, names=names, max_pixels=max_pixels)
+    decode = partial(_check_chunk, names=names, check=partial(check_image, max_pixels=max_pixels))
     threads = workers or usable_cpus()
     with (
         env_for_reading(path) as env,
@@ -188,14 +190,15 @@ def describe_lmdb(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _check_chunk(
-    chunk: list[tuple[int, bytes | str | None]], *, names: Sequence[str], max_pixels: int | None
+    chunk: list[tuple[int, bytes | str | None]],
+    *,
+    names: Sequence[str],
+    check: Callable[[bytes | None, str], str | None],
 ) -> list[BadSample]:
-    """The records of ``chunk`` that do not decode (runs in a worker thread)."""
+    """The records of ``chunk`` that ``check`` finds do not decode (runs in a worker thread)."""
     found = []
     for index, data in chunk:
-        reason = (
-            data if isinstance(data, str) else check_image(data, "decode", max_pixels=max_pixels)
-        )
+        reason = data if isinstance(data, str) else check(data, "decode")
         if reason is not None:
             found.append(BadSample(index, names[index], reason))
     return found

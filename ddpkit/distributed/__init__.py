@@ -23,36 +23,43 @@ plan ``init_distributed`` applies.
 This package imports nothing of ``ddpkit.checkpoint`` or ``ddpkit.training``.
 """
 
-from ddpkit.distributed.comm import (
-    all_gather_object,
-    all_reduce_sum,
-    barrier,
-    get_local_rank,
-    get_rank,
-    get_world_size,
-    is_main_process,
-)
-from ddpkit.distributed.job import DistInfo
-from ddpkit.distributed.network import (
-    NetworkConfigError,
-    NetworkPlan,
-    configure_network,
-    plan_network,
-)
-from ddpkit.distributed.parallel import no_sync, unwrap_model, wrap_ddp
-from ddpkit.distributed.process_group import init_distributed, shutdown
-from ddpkit.distributed.processes import RankFailedError
-from ddpkit.distributed.rank0 import Rank0Error, rank0_first, rank0_only
-from ddpkit.distributed.rendezvous import RendezvousError
-from ddpkit.distributed.spawning import spawn
-from ddpkit.distributed.stops import (
-    HANG_EXIT_CODE,
-    PREEMPTED_EXIT_CODE,
-    HangStopped,
-    Preempted,
-    SignalStopped,
-)
-from ddpkit.distributed.watchdog import HangWatchdog
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ddpkit._lazy import lazy_names
+
+if TYPE_CHECKING:
+    from ddpkit.distributed.comm import (
+        all_gather_object,
+        all_reduce_sum,
+        barrier,
+        get_local_rank,
+        get_rank,
+        get_world_size,
+        is_main_process,
+    )
+    from ddpkit.distributed.job import DistInfo
+    from ddpkit.distributed.network import (
+        NetworkConfigError,
+        NetworkPlan,
+        configure_network,
+        plan_network,
+    )
+    from ddpkit.distributed.parallel import no_sync, unwrap_model, wrap_ddp
+    from ddpkit.distributed.process_group import init_distributed, shutdown
+    from ddpkit.distributed.processes import RankFailedError
+    from ddpkit.distributed.rank0 import Rank0Error, rank0_first, rank0_only
+    from ddpkit.distributed.rendezvous import RendezvousError
+    from ddpkit.distributed.spawning import spawn
+    from ddpkit.distributed.stops import (
+        HANG_EXIT_CODE,
+        PREEMPTED_EXIT_CODE,
+        HangStopped,
+        Preempted,
+        SignalStopped,
+    )
+    from ddpkit.distributed.watchdog import HangWatchdog
 
 __all__ = [
     "HANG_EXIT_CODE",
@@ -85,3 +92,39 @@ __all__ = [
     "unwrap_model",
     "wrap_ddp",
 ]
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "ddpkit.distributed.comm": (
+            "all_gather_object",
+            "all_reduce_sum",
+            "barrier",
+            "get_local_rank",
+            "get_rank",
+            "get_world_size",
+            "is_main_process",
+        ),
+        "ddpkit.distributed.job": ("DistInfo",),
+        "ddpkit.distributed.network": (
+            "NetworkConfigError",
+            "NetworkPlan",
+            "configure_network",
+            "plan_network",
+        ),
+        "ddpkit.distributed.parallel": ("no_sync", "unwrap_model", "wrap_ddp"),
+        "ddpkit.distributed.process_group": ("init_distributed", "shutdown"),
+        "ddpkit.distributed.processes": ("RankFailedError",),
+        "ddpkit.distributed.rank0": ("Rank0Error", "rank0_first", "rank0_only"),
+        "ddpkit.distributed.rendezvous": ("RendezvousError",),
+        "ddpkit.distributed.spawning": ("spawn",),
+        "ddpkit.distributed.stops": (
+            "HANG_EXIT_CODE",
+            "PREEMPTED_EXIT_CODE",
+            "HangStopped",
+            "Preempted",
+            "SignalStopped",
+        ),
+        "ddpkit.distributed.watchdog": ("HangWatchdog",),
+    },
+)

@@ -20,14 +20,21 @@ new head (:func:`load_pretrained`) and freezes a backbone.
 This package may import every other part of ddpkit.
 """
 
-from ddpkit.training.config import FaultConfig, ReportConfig, TrainConfig
-from ddpkit.training.ema import model_ema
-from ddpkit.training.epoch import TrainingError
-from ddpkit.training.evaluation import evaluate
-from ddpkit.training.loop import History, fit
-from ddpkit.training.losses import FocalLoss
-from ddpkit.training.models import PretrainedReport, freeze_backbone, load_pretrained
-from ddpkit.training.schedules import linear_scaled_lr, warmup_schedule
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ddpkit._lazy import lazy_names
+
+if TYPE_CHECKING:
+    from ddpkit.training.config import FaultConfig, ReportConfig, TrainConfig
+    from ddpkit.training.ema import model_ema
+    from ddpkit.training.epoch import TrainingError
+    from ddpkit.training.evaluation import evaluate
+    from ddpkit.training.loop import History, fit
+    from ddpkit.training.losses import FocalLoss
+    from ddpkit.training.models import PretrainedReport, freeze_backbone, load_pretrained
+    from ddpkit.training.schedules import linear_scaled_lr, warmup_schedule
 
 __all__ = [
     "FaultConfig",
@@ -45,3 +52,17 @@ __all__ = [
     "model_ema",
     "warmup_schedule",
 ]
+
+__getattr__, __dir__ = lazy_names(
+    __name__,
+    {
+        "ddpkit.training.config": ("FaultConfig", "ReportConfig", "TrainConfig"),
+        "ddpkit.training.ema": ("model_ema",),
+        "ddpkit.training.epoch": ("TrainingError",),
+        "ddpkit.training.evaluation": ("evaluate",),
+        "ddpkit.training.loop": ("History", "fit"),
+        "ddpkit.training.losses": ("FocalLoss",),
+        "ddpkit.training.models": ("PretrainedReport", "freeze_backbone", "load_pretrained"),
+        "ddpkit.training.schedules": ("linear_scaled_lr", "warmup_schedule"),
+    },
+)
