@@ -97,14 +97,22 @@ _LONGEST_FIRST = (
 )
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _forkserver_started(request: pytest.FixtureRequest) -> None:
-    """Start run_distributed's forkserver before a multi-process test's clock runs.
+    """Start run_distributed's forkserver before a multi-process module's first job.
 
-    The first run in a pytest process would otherwise count the server's imports
-    (seconds, more on a busy machine) in the time a test measures.
+    Module-scoped and autouse, so it comes before the module's shared jobs
+    (module fixtures) as well as its tests: the first run in a pytest process
+    would otherwise count the server's imports (seconds, more on a busy
+    machine) in the time a test measures, and the ranks of a job started
+    before it could not start their DataLoader workers from it
+    (``warm.share_server``).
     """
-    serial = request.node.get_closest_marker("serial") is not None
+    here = request.node.path
+    serial = any(
+        item.path == here and item.get_closest_marker("serial") is not None
+        for item in request.session.items
+    )
     if serial and os.environ.get("DDPKIT_TEST_START_METHOD") == "forkserver":
         from warm import start_server  # type: ignore[import-not-found]
 

@@ -97,3 +97,19 @@ def test_signals_sessions_and_a_pipe_read_while_it_runs(tmp_path: Path) -> None:
     assert time.monotonic() - started < 30  # not the 60 s the script would sleep
     with pytest.raises(ValueError, match="python SCRIPT"):
         warm_popen(["bash", "-c", "true"])
+
+
+def test_a_rank_starts_its_forkserver_workers_from_the_suite_server() -> None:
+    # A rank of run_distributed (forked from the server) hands its DataLoader
+    # workers' start to that server instead of starting a fresh interpreter.
+    from train_jobs import worker_parents  # type: ignore[import-not-found]
+    from warm import SERVER_VARIABLE, start_server  # type: ignore[import-not-found]
+
+    from ddpkit.testing import run_distributed
+
+    start_server()
+    server = int(os.environ[SERVER_VARIABLE])
+    for result in run_distributed(worker_parents, 2, start_method="forkserver", timeout=120):
+        assert result["parents"] == {server}, "a worker came from another process"
+        assert result["rank"] != server
+        assert result["server started"] is None, "the rank started a forkserver of its own"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import faulthandler
 import multiprocessing
+import multiprocessing.forkserver
+import os
 import threading
 import time
 from pathlib import Path
@@ -11,7 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+from warm import share_server  # type: ignore[import-not-found]
 
 from ddpkit import (
     CheckpointManager,
@@ -59,11 +62,35 @@ def worker_start(dataset: Dataset[object]) -> str:
     at that very moment, which CPython 3.11 can answer with a child stuck inside
     ``fork()`` for ever (a rare hang at the first batch). A forkserver forks
     from a one-threaded server that imported torch and the dataset's module
-    once per rank (about 2 s), so each worker still starts in milliseconds.
+    once per rank (about 2 s), so each worker still starts in milliseconds. A
+    rank of ``run_distributed`` uses the suite's server (``warm.share_server``),
+    which imported those already.
     """
-    preload = ["torch", "ddpkit", type(dataset).__module__]
-    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    if not share_server():
+        preload = ["torch", "ddpkit", type(dataset).__module__]
+        multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     return "forkserver"
+
+
+class WorkerParents(Dataset[int]):
+    """Each sample is the pid of the process that started the worker reading it."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return os.getppid()
+
+
+def worker_parents(rank: int, world_size: int) -> dict[str, Any]:
+    """Where a rank's forkserver-started workers come from, and how many servers it ran."""
+    data = WorkerParents()
+    loader = DataLoader(
+        data, batch_size=1, num_workers=2, multiprocessing_context=worker_start(data)
+    )
+    parents = {int(batch) for batch in loader}
+    started = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    return {"parents": parents, "rank": os.getpid(), "server started": started}
 
 
 def small_net() -> nn.Module:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import io
 import multiprocessing as mp
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import subprocess
@@ -40,9 +42,38 @@ STDOUT = subprocess.STDOUT
 DEVNULL = subprocess.DEVNULL
 
 
+# The server's pid, for the processes it forks (see share_server).
+SERVER_VARIABLE = "DDPKIT_TEST_WARM_SERVER"
+
+
 def start_server() -> None:
     """Start the forkserver with :data:`PRELOAD`, unless one runs already."""
     start_forkserver(mp.get_context("forkserver"), PRELOAD)
+    os.environ[SERVER_VARIABLE] = str(mp.forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
+
+
+def share_server() -> bool:
+    """In a process the server forked, make the server this process's forkserver too.
+
+    A rank that starts its DataLoader workers from a forkserver (``build_loader(...,
+    multiprocessing_context="forkserver")``) would start a server of its own, a fresh
+    interpreter importing torch and the dataset's module (about 4 s of CPU, once per rank
+    and run). Its workers are the server's children either way, never the rank's; this one
+    is one-threaded too and imported all of that already. A forkserver's child knows the
+    server's address and holds the pipe that keeps it alive, but not its pid, so Python
+    (3.11-3.13) would start another: ``ensure_running`` is all that changes. Returns
+    whether this process now uses the server (False anywhere else: a launcher's fresh
+    rank, a process whose forkserver already runs, the children of another server).
+    """
+    server = mp.forkserver._forkserver  # type: ignore[attr-defined]
+    ours = os.environ.get(SERVER_VARIABLE) == str(os.getppid())
+    inherited = server._forkserver_address is not None and server._forkserver_alive_fd is not None
+    if not ours or not inherited or server._forkserver_pid is not None:
+        return False
+    # It runs while its clients hold the pipe, as this process does; only the
+    # resource tracker (the caller's, inherited) is left to check.
+    server.ensure_running = mp.resource_tracker.ensure_running  # type: ignore[attr-defined]
+    return True
 
 
 class _Fd:
