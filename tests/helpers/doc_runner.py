@@ -4,9 +4,10 @@ A child process of tests/docs/test_doc_code.py, so that what a block does to the
 interpreter (a process group, signal handlers, environment variables, a
 crash) stays out of the test run. The guides are read top to bottom: their
 blocks share one working directory, so a file one block writes is there for
-the next. docs/api.md is a reference: each entry starts from a fresh copy of
-the world. Every block gets fresh names (``model``, ``train_loader`` ...) from
-doc_context, as each snippet is written to stand on its own.
+the next. docs/api.md is a reference: each entry starts from the world as the
+template has it (what the entry before changed is put back). Every block gets
+fresh names (``model``, ``train_loader`` ...) from doc_context, as each snippet
+is written to stand on its own.
 
 Each block's result goes to OUT.json as soon as it is known, so a block that
 hangs past the parent's deadline still leaves the others' results.
@@ -15,10 +16,12 @@ hangs past the parent's deadline still leaves the others' results.
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -99,6 +102,49 @@ def _definitions_module(tree: ast.Module, name: str, where: Path) -> None:
     (where / f"{name}.py").write_text(source + "\n", encoding="utf-8")
 
 
+def _entries(root: Path) -> dict[str, tuple[int, ...]]:
+    """Each path under ``root`` with what a write, rename, chmod or replacement changes.
+
+    A folder's own times change with its entries, which are compared one by one.
+    """
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            st = os.lstat(path)
+            whole = (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            found[os.path.relpath(path, root)] = whole[:2] if stat.S_ISDIR(st.st_mode) else whole
+    return found
+
+
+def _restore(world: Path, template: Path, entries: dict[str, tuple[int, ...]]) -> None:
+    """Make ``world`` a copy of ``template`` again; ``entries``: its state right after the copy."""
+    now = _entries(world)
+    for path in sorted(set(now) - set(entries), reverse=True):  # added: children first
+        target = world / path
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif os.path.lexists(target):
+            target.unlink()
+    for path in sorted(entries):  # changed or removed: parents first
+        if now.get(path) == entries[path]:
+            continue
+        target, source = world / path, template / path
+        if os.path.lexists(target) and (not target.is_dir() or target.is_symlink()):
+            target.unlink()
+        elif target.is_dir():
+            if os.path.isdir(source) and not source.is_symlink():
+                os.chmod(target, os.lstat(source).st_mode)  # same folder, other mode
+                continue
+            shutil.rmtree(target)
+        if source.is_symlink():
+            os.symlink(os.readlink(source), target)
+        elif source.is_dir():
+            shutil.copytree(source, target, symlinks=True)
+        else:
+            shutil.copy2(source, target)
+
+
 class Runner:
     def __init__(self, doc: str, template: Path, out: Path) -> None:
         self.doc = doc
@@ -107,20 +153,29 @@ class Runner:
         self.results: dict[str, Any] = {}
         self.scratch = Path(tempfile.mkdtemp(prefix="ddpkit-doc-"))
         self.world: Path | None = None
+        self.entries: dict[str, tuple[int, ...]] = {}
         self.count = 0
         self.started = time.monotonic()
         self.env = dict(os.environ)
 
     def fresh_world(self) -> None:
-        if self.world is not None:
+        """The world as the template has it, in ``self.world``, the current directory.
+
+        Copied once; after that only what the last section changed, added or
+        removed is put back (a full copy of its thousand small files for each
+        of api.md's sections took most of the page's time).
+        """
+        self.count += 1  # fresh module names for the section's blocks
+        if self.world is None:
+            self.world = self.scratch / "world"
+            shutil.copytree(self.template, self.world, symlinks=True)
+            sys.path.insert(0, str(self.world))
+        else:
             os.chdir(self.scratch)
-            sys.path.remove(str(self.world))
-            shutil.rmtree(self.world, ignore_errors=True)
-        self.count += 1
-        self.world = self.scratch / f"world{self.count}"
-        shutil.copytree(self.template, self.world, symlinks=True)
+            _restore(self.world, self.template, self.entries)
+            importlib.invalidate_caches()  # the finder's listing of the directory
+        self.entries = _entries(self.world)
         os.chdir(self.world)
-        sys.path.insert(0, str(self.world))
 
     def record(self, block: Block, **result: Any) -> None:
         seconds = round(time.monotonic() - self.started, 2)  # the block's, for the slowest list
