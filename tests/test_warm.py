@@ -113,3 +113,71 @@ def test_a_rank_starts_its_forkserver_workers_from_the_suite_server() -> None:
         assert result["parents"] == {server}, "a worker came from another process"
         assert result["rank"] != server
         assert result["server started"] is None, "the rank started a forkserver of its own"
+
+
+_HELPERS = Path(__file__).resolve().parent / "helpers"
+
+
+def _shell(
+    command: str, cwd: Path, *, shim: bool, stdin: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """``bash -c command`` as the docs runner starts it, with or without the `python` shim."""
+    path = [str(_HELPERS / "bin")] if shim else []
+    path += [str(Path(sys.executable).parent), os.environ["PATH"]]
+    env = dict(os.environ, FOO="bar", PATH=os.pathsep.join(path), DDPKIT_TEST_PYTHON=sys.executable)
+    env["PYTHONPATH"] = f"{_HELPERS}{os.pathsep}{cwd}"
+    return subprocess.run(["bash", "-c", command], env=env, cwd=cwd, input=stdin,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_the_python_of_the_docs_shell_blocks_is_warm_and_behaves_as_python(
+    script: Path, tmp_path: Path
+) -> None:
+    from warm import start_server  # type: ignore[import-not-found]
+
+    start_server()
+    (tmp_path / "jobmod.py").write_text(_SCRIPT, encoding="utf-8")
+    commands = [f"python {script} {how}; echo status $?" for how in _CASES]
+    commands += ["python -m jobmod exit3; echo status $?",
+                 "python -c 'import sys; print(sys.stdin.read().upper(), sys.argv)' a b",
+                 "python -u -c 'print(1)'; python --version"]  # fmt: skip
+    for command in commands:
+        warm = _shell(command, tmp_path, shim=True, stdin="from a pipe")
+        fresh = _shell(command, tmp_path, shim=False, stdin="from a pipe")
+        assert (warm.returncode, warm.stdout) == (fresh.returncode, fresh.stdout), command
+        assert warm.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:], command
+    check = "python -c 'import sys; print(\"timm\" in sys.modules)'"
+    assert _shell(check, tmp_path, shim=True).stdout == "True\n"  # forked from the server
+    assert _shell(check, tmp_path, shim=False).stdout == "False\n"
+
+
+def _ended(pid: int, within: float) -> bool:
+    """Whether process ``pid`` is gone (or a zombie) within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_shell_python_passes_signals_on_and_takes_the_script_with_it(sig: int) -> None:
+    from warm import start_server  # type: ignore[import-not-found]
+
+    start_server()
+    code = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
+    env = dict(os.environ, PYTHONPATH=str(_HELPERS), DDPKIT_TEST_PYTHON=sys.executable)
+    shim = subprocess.Popen([str(_HELPERS / "bin" / "python"), "-c", code], env=env,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    script = int(shim.stdout.readline())  # type: ignore[union-attr]
+    assert script != shim.pid  # the script runs in a process of the server's
+    shim.send_signal(sig)
+    assert shim.wait(timeout=30) == -sig  # passed on (SIGTERM), or the shim's own death
+    assert _ended(script, 10), f"the script outlived its shell's python ({sig!r})"

@@ -217,7 +217,12 @@ class Runner:
 
     def run_shell(self, block: Block, code: str) -> None:
         env = dict(self.env)
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        # `python` runs forked from the suite's server (bin/python, warm.python_shim);
+        # `ddpkit`, `torchrun` and the rest are the environment's own, started fresh.
+        env["PATH"] = os.pathsep.join(
+            [str(HERE / "bin"), str(Path(sys.executable).parent), env.get("PATH", "")]
+        )
+        env["DDPKIT_TEST_PYTHON"] = sys.executable
         env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]).rstrip(
             os.pathsep
         )

@@ -9,7 +9,9 @@ and ``sys.path[0]``, the given environment, directory and standard streams, the 
 disposition (ignored under ``nohup``), its own session if asked, the exit status of an uncaught
 exception, ``SystemExit`` or ``KeyboardInterrupt``, and the ``atexit`` handlers run at the end.
 Processes the script starts (``spawn``'s ranks, torchrun's workers, DataLoader workers) start as
-they always do.
+they always do. Two more users of the server: a rank of ``run_distributed`` starts its
+forkserver DataLoader workers from it (:func:`share_server`), and the docs' shell blocks find a
+``python`` (``bin/python``, :func:`python_shim`) that runs scripts from it.
 
 Tests whose subject is how a process starts (a launcher's own start-up, a
 console script, ``nohup``) keep ``subprocess``; the rest may use this.
@@ -23,6 +25,7 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -32,24 +35,30 @@ from pathlib import Path
 from typing import IO, Any
 
 from ddpkit.distributed.child import die_with_parent
-from ddpkit.distributed.processes import FORKSERVER_PRELOAD, start_forkserver
 
 # What the server imports besides run_distributed's modules: the example and its models.
-PRELOAD = (*FORKSERVER_PRELOAD, "timm", "ddpkit.examples.seresnext_lmdb")
+EXTRA_PRELOAD = ("timm", "ddpkit.examples.seresnext_lmdb")
 
 PIPE = subprocess.PIPE
 STDOUT = subprocess.STDOUT
 DEVNULL = subprocess.DEVNULL
 
 
-# The server's pid, for the processes it forks (see share_server).
+# The server's pid, for the processes it forks (see share_server), and its address, for the
+# `python` of the docs' shell blocks (see python_shim).
 SERVER_VARIABLE = "DDPKIT_TEST_WARM_SERVER"
+ADDRESS_VARIABLE = "DDPKIT_TEST_WARM_ADDRESS"
 
 
 def start_server() -> None:
-    """Start the forkserver with :data:`PRELOAD`, unless one runs already."""
-    start_forkserver(mp.get_context("forkserver"), PRELOAD)
-    os.environ[SERVER_VARIABLE] = str(mp.forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
+    """Start the forkserver with run_distributed's modules and :data:`EXTRA_PRELOAD`, once."""
+    # Imported here: python_shim's process imports this module and needs no torch.
+    from ddpkit.distributed.processes import FORKSERVER_PRELOAD, start_forkserver
+
+    start_forkserver(mp.get_context("forkserver"), (*FORKSERVER_PRELOAD, *EXTRA_PRELOAD))
+    server = mp.forkserver._forkserver  # type: ignore[attr-defined]
+    os.environ[SERVER_VARIABLE] = str(server._forkserver_pid)
+    os.environ[ADDRESS_VARIABLE] = server._forkserver_address
 
 
 def share_server() -> bool:
@@ -108,16 +117,22 @@ def _main(
     argv: list[str],
     env: dict[str, str],
     cwd: str,
-    fds: tuple[int, int],
+    fds: tuple[int, ...],
     sigint_ignored: bool,
     new_session: bool,
+    starter: int | None = None,
 ) -> None:
-    for target, fd in zip((1, 2), fds, strict=True):
+    # fds: standard output and error, or input, output and error
+    for target, fd in zip((0, 1, 2)[-len(fds) :], fds, strict=True):
         os.dup2(fd, target)
         os.close(fd)
+    if len(fds) == 3:
+        sys.stdin = io.TextIOWrapper(open(0, "rb", closefd=False))  # noqa: SIM115
     if new_session:
         os.setsid()
     die_with_parent(os.getppid())  # the server, which ends with the test process
+    if starter is not None:
+        _end_with(starter)
     signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.default_int_handler)
     # A multiprocessing child takes its own start method as the default; python's is unset.
     mp.set_start_method(None, force=True)
@@ -152,6 +167,17 @@ def _main(
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
+
+
+def _end_with(starter: int) -> None:
+    """Exit when the process ``starter`` ends (a thread waiting on its pidfd)."""
+    handle = os.pidfd_open(starter)
+
+    def watch() -> None:
+        select.select([handle], [], [])
+        os._exit(128 + signal.SIGKILL)
+
+    threading.Thread(target=watch, name="warm-end-with-starter", daemon=True).start()
 
 
 def _run(args: list[str], how: str) -> int:
@@ -257,13 +283,22 @@ def warm_popen(
     stderr: Any = None,
     text: bool = False,
     start_new_session: bool = False,
+    stdin: int | None = None,
+    end_with_caller: bool = False,
 ) -> WarmProcess:
-    """``subprocess.Popen`` for ``[sys.executable, SCRIPT | -m MODULE | -c CODE, ...]``."""
+    """``subprocess.Popen`` for ``[sys.executable, SCRIPT | -m MODULE | -c CODE, ...]``.
+
+    ``stdin``: a descriptor to give the process as its standard input (default:
+    none, as a multiprocessing child has). ``end_with_caller``: the process ends
+    when this one does, even by SIGKILL (a fresh child of a killed shell's
+    command would end with its process group; this one is the server's child).
+    """
     argv = [os.fspath(a) for a in args]
     flag = len(argv) > 1 and argv[1].startswith("-")
     if argv[0] != sys.executable or len(argv) < 2 or (flag and argv[1] not in ("-m", "-c")):
         raise ValueError(f"warm_popen runs `python SCRIPT|-m MODULE|-c CODE ...`, not {argv}")
-    start_server()
+    if not _CLIENT:  # python_shim's process uses a server that runs already
+        start_server()
     out, out_read = _stream(stdout, 1)
     err, err_read = (out, None) if stderr == STDOUT else _stream(stderr, 2)
     made = ((out, out_read is not None or stdout == DEVNULL),
@@ -273,10 +308,11 @@ def warm_popen(
     sigint_ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     environ = dict(os.environ if env is None else env)
     where = os.fspath(cwd) if cwd is not None else os.getcwd()
-    fds = (_Fd(out), _Fd(err))  # type: ignore[arg-type]
+    fds = tuple(_Fd(fd) for fd in (stdin, out, err) if fd is not None)  # type: ignore[arg-type]
+    starter = os.getpid() if end_with_caller else None
     process = ctx.Process(
         target=_main,
-        args=(argv, environ, where, fds, sigint_ignored, start_new_session),
+        args=(argv, environ, where, fds, sigint_ignored, start_new_session, starter),
         name="ddpkit-test-warm",
     )
     try:
@@ -310,3 +346,41 @@ def warm_run(
         process.wait()
         raise
     return subprocess.CompletedProcess(process.args, process.wait(), out, err)
+
+
+# Set in a python_shim process: it talks to a server another process started.
+_CLIENT = False
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+            signal.SIGUSR2)  # fmt: skip
+
+
+def python_shim(args: Sequence[str]) -> int:
+    """Be ``python ARGS`` for a shell (``tests/helpers/bin/python``), from the suite's server.
+
+    The docs' shell blocks run ``python train.py`` or ``python -m
+    ddpkit.examples.seresnext_lmdb ...``; each would spend seconds importing
+    torch and timm. ``python SCRIPT``, ``-m MODULE`` and ``-c CODE`` run
+    forked from the server (:func:`warm_popen`) with this process's standard
+    streams, directory and environment; anything else (``-u``, ``--version``),
+    or no server, runs the real interpreter. This process passes the signals
+    it gets on, ends with the script's status (a signal's death as that
+    signal) and takes the script with it if it is killed.
+    """
+    global _CLIENT
+    address = os.environ.get(ADDRESS_VARIABLE)
+    runnable = len(args) >= 1 and (args[0] in ("-m", "-c") or not args[0].startswith("-"))
+    if not address or not runnable or not os.path.exists(address):
+        os.execv(sys.executable, [sys.executable, *args])
+    server = mp.forkserver._forkserver  # type: ignore[attr-defined]
+    server._forkserver_address = address
+    _, server._forkserver_alive_fd = os.pipe()  # the child's own, should it start processes
+    server.ensure_running = mp.resource_tracker.ensure_running  # type: ignore[attr-defined]
+    _CLIENT = True
+    process = warm_popen([sys.executable, *args], stdin=0, end_with_caller=True)
+    for sig in _SIGNALS:
+        signal.signal(sig, lambda sig, _: process.send_signal(sig))
+    code = process.wait()
+    if code < 0:  # died of a signal: so does python for the shell
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
