@@ -141,7 +141,9 @@ def test_the_python_of_the_docs_shell_blocks_is_warm_and_behaves_as_python(
     commands = [f"python {script} {how}; echo status $?" for how in _CASES]
     commands += ["python -m jobmod exit3; echo status $?",
                  "python -c 'import sys; print(sys.stdin.read().upper(), sys.argv)' a b",
-                 "python -u -c 'print(1)'; python --version"]  # fmt: skip
+                 "python -u -c 'print(1)'; python --version",
+                 "python no-such-script.py; echo status $?; python -c; echo status $?",
+                 "python -c 'import sys; print(sys.stdin.read())' <&-; echo status $?"]  # fmt: skip
     for command in commands:
         warm = _shell(command, tmp_path, shim=True, stdin="from a pipe")
         fresh = _shell(command, tmp_path, shim=False, stdin="from a pipe")

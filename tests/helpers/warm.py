@@ -361,14 +361,22 @@ def python_shim(args: Sequence[str]) -> int:
     ddpkit.examples.seresnext_lmdb ...``; each would spend seconds importing
     torch and timm. ``python SCRIPT``, ``-m MODULE`` and ``-c CODE`` run
     forked from the server (:func:`warm_popen`) with this process's standard
-    streams, directory and environment; anything else (``-u``, ``--version``),
-    or no server, runs the real interpreter. This process passes the signals
+    streams, directory and environment; anything else (``-u``, ``--version``, a
+    script that is not there, standard input closed), or no server, runs the
+    real interpreter. This process passes the signals
     it gets on, ends with the script's status (a signal's death as that
     signal) and takes the script with it if it is killed.
     """
     global _CLIENT
     address = os.environ.get(ADDRESS_VARIABLE)
-    runnable = len(args) >= 1 and (args[0] in ("-m", "-c") or not args[0].startswith("-"))
+    if args and args[0] in ("-m", "-c"):
+        runnable = len(args) >= 2
+    else:  # a script that is there; python's own words for one that is not
+        runnable = bool(args) and not args[0].startswith("-") and os.path.isfile(args[0])
+    try:
+        os.fstat(0)
+    except OSError:  # standard input closed: python's sys.stdin is None, the real one's job
+        runnable = False
     if not address or not runnable or not os.path.exists(address):
         os.execv(sys.executable, [sys.executable, *args])
     server = mp.forkserver._forkserver  # type: ignore[attr-defined]
