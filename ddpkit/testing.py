@@ -78,6 +78,11 @@ def _init_group(rendezvous: _Rendezvous, rank: int, world_size: int, timeout_s: 
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
+    # Creating a Gloo group is not a synchronisation point: a rank whose function
+    # makes no collective could return and close its connections while a peer is
+    # still completing its own, which that peer reports as "Connection closed by
+    # peer" (pytorch/pytorch#61396). One barrier: every rank is connected first.
+    dist.barrier()
 
 
 def _child_main(

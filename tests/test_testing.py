@@ -188,3 +188,17 @@ def test_the_environment_variable_chooses_the_start_method(
     monkeypatch.setenv("DDPKIT_TEST_START_METHOD", "vfork")
     with pytest.raises(ValueError, match=r"DDPKIT_TEST_START_METHOD.*got 'vfork'"):
         run_distributed(_started, 2)
+
+
+def _recorded(rank: int, world_size: int) -> list[str]:
+    from ddpkit.distributed.recorder import local_history
+
+    trace = local_history("gloo") or {}
+    return [entry["profiling_name"] for entry in trace.get("entries", [])]
+
+
+def test_every_rank_is_connected_before_the_function_starts() -> None:
+    # A function with no collective of its own cannot end, and close its connections,
+    # while a peer is still connecting: the group's one barrier comes first.
+    out = run_distributed(_recorded, 2, env={"TORCH_FR_BUFFER_SIZE": "20"}, timeout=60)
+    assert out == [["gloo:barrier"], ["gloo:barrier"]]

@@ -259,8 +259,14 @@ def _init_process_group(
             timeout=first_timeout,
             **kwargs,
         )
+        # Connects every pair now, inside this error handling. Gloo connects while the group
+        # is created, but that is no synchronisation point: without it a rank that ends
+        # before any collective could close its side while a peer still connects to it,
+        # and that peer fails with "Connection closed by peer" (pytorch/pytorch#61396).
         if backend == "nccl":
             dist.barrier(device_ids=[dev.index])
+        else:
+            dist.barrier()
     except Exception as exc:
         shutdown()
         first = str(exc).splitlines()[0] if str(exc) else repr(exc)

@@ -381,3 +381,22 @@ def test_a_failed_join_puts_the_environment_back(plain_env: None) -> None:
             rendezvous_timeout=timedelta(seconds=1),
         )
     assert dict(os.environ) == before
+
+
+def _collectives_of_init(rank: int, world_size: int, url: str) -> list[str]:
+    from ddpkit.distributed.recorder import local_history
+
+    init_distributed(url, world_size=world_size, rank=rank)
+    try:
+        trace = local_history("gloo") or {}
+        return [entry["profiling_name"] for entry in trace.get("entries", [])]
+    finally:
+        ddpkit.shutdown()
+
+
+def test_init_returns_once_every_pair_is_connected(tmp_path: os.PathLike[str]) -> None:
+    # Creating a Gloo group is no synchronisation point; init's barrier is, so a rank
+    # that ends before any collective cannot close a connection a peer still makes.
+    url = f"file://{tmp_path}/rendezvous"
+    out = run_distributed(_collectives_of_init, 2, args=(url,), init=None, timeout=120)
+    assert out == [["gloo:barrier"], ["gloo:barrier"]]
