@@ -82,7 +82,8 @@ def _init_group(rendezvous: _Rendezvous, rank: int, world_size: int, timeout_s: 
     # makes no collective could return and close its connections while a peer is
     # still completing its own, which that peer reports as "Connection closed by
     # peer" (pytorch/pytorch#61396). One barrier: every rank is connected first.
-    dist.barrier()
+    if world_size > 1:
+        dist.barrier()
 
 
 def _child_main(

@@ -265,7 +265,7 @@ def _init_process_group(
         # and that peer fails with "Connection closed by peer" (pytorch/pytorch#61396).
         if backend == "nccl":
             dist.barrier(device_ids=[dev.index])
-        else:
+        elif plan.world_size > 1:  # alone, there is nothing to connect
             dist.barrier()
     except Exception as exc:
         shutdown()
