@@ -183,3 +183,19 @@ def test_the_shell_python_passes_signals_on_and_takes_the_script_with_it(sig: in
     shim.send_signal(sig)
     assert shim.wait(timeout=30) == -sig  # passed on (SIGTERM), or the shim's own death
     assert _ended(script, 10), f"the script outlived its shell's python ({sig!r})"
+
+
+def test_the_shell_python_without_a_live_server_is_the_real_one(tmp_path: Path) -> None:
+    # A socket file left by a server that ended, or none at all: python as usual.
+    import socket
+
+    stale = tmp_path / "listener"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(stale))
+    code = "import sys; print('timm' in sys.modules, sys.argv[1:])"
+    for address in (str(stale), ""):
+        env = dict(os.environ, PYTHONPATH=str(_HELPERS), DDPKIT_TEST_PYTHON=sys.executable)
+        env["DDPKIT_TEST_WARM_ADDRESS"] = address
+        done = subprocess.run([str(_HELPERS / "bin" / "python"), "-c", code, "a"], env=env,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert (done.returncode, done.stdout) == (0, "False ['a']\n"), done.stderr

@@ -362,8 +362,8 @@ def python_shim(args: Sequence[str]) -> int:
     torch and timm. ``python SCRIPT``, ``-m MODULE`` and ``-c CODE`` run
     forked from the server (:func:`warm_popen`) with this process's standard
     streams, directory and environment; anything else (``-u``, ``--version``, a
-    script that is not there, standard input closed), or no server, runs the
-    real interpreter. This process passes the signals
+    script that is not there, standard input closed), or no server (or one that
+    has ended), runs the real interpreter. This process passes the signals
     it gets on, ends with the script's status (a signal's death as that
     signal) and takes the script with it if it is killed.
     """
@@ -384,7 +384,10 @@ def python_shim(args: Sequence[str]) -> int:
     _, server._forkserver_alive_fd = os.pipe()  # the child's own, should it start processes
     server.ensure_running = mp.resource_tracker.ensure_running  # type: ignore[attr-defined]
     _CLIENT = True
-    process = warm_popen([sys.executable, *args], stdin=0, end_with_caller=True)
+    try:
+        process = warm_popen([sys.executable, *args], stdin=0, end_with_caller=True)
+    except OSError:  # the server has ended (its socket file may stay): nothing was sent
+        os.execv(sys.executable, [sys.executable, *args])
     for sig in _SIGNALS:
         signal.signal(sig, lambda sig, _: process.send_signal(sig))
     code = process.wait()
