@@ -29,6 +29,7 @@ from torch.utils.data import (
 from ddpkit import _graveyard
 from ddpkit._docs import see
 from ddpkit.data import samplers
+from ddpkit.data._forkserver_group import keep_forkserver_apart
 from ddpkit.data.balanced import WeightedDistributedSampler, class_weights
 from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler, SeededSamples
 from ddpkit.distributed import comm
@@ -141,8 +142,9 @@ def _worker_start(trainer: int, worker_id: int) -> None:
     # training process stops cleanly at the next step and needs its workers until
     # then. A group of their own keeps those signals from them, while a SIGTERM
     # sent to the worker itself (how DataLoader and multiprocessing end them)
-    # still works. They end with the training process: torch's workers watch
-    # their parent, which a forkserver's workers watch here instead.
+    # still works (a forkserver, whose children they are then, is kept apart by
+    # _forkserver_group). They end with the training process: torch's workers
+    # watch their parent, which a forkserver's workers watch here instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
@@ -405,6 +407,8 @@ def build_loader(
     # DataLoader refuses worker options without workers; dropping them lets a
     # script switch to workers=0 for debugging and change nothing else.
     in_workers = workers > 0
+    if in_workers:
+        keep_forkserver_apart(multiprocessing_context)
     return DataLoader(
         loaded,
         batch_size=per_process,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -176,38 +177,63 @@ def test_worker_randomness_is_reproducible_per_seed_and_rank() -> None:
 
 _GROUP_SIGNAL_JOB = """
 import os, signal, sys, time
-import torch
-from torch.utils.data import Dataset
+from loader_fixtures import Pids
 from ddpkit.data import build_loader
 
-class Pids(Dataset):
-    def __len__(self): return 64
-    def __getitem__(self, i): return os.getpid()
-
-name = sys.argv[1]
+name, start = sys.argv[1:]
+if start == "forkserver":  # the user's own preload is kept beside build_loader's
+    import multiprocessing
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "loader_fixtures"])
 signal.signal(getattr(signal, name), lambda *a: print("parent got", name, flush=True))
 loader = build_loader(Pids(), batch_size=4, train=True, workers=2, seed=0,
-                      multiprocessing_context="fork")
+                      multiprocessing_context=start)
 batches = iter(loader)
 pids = {int(p) for _ in range(4) for p in next(batches)}
+if start == "forkserver":
+    from multiprocessing import forkserver
+    server = forkserver._forkserver._forkserver_pid
+    print("server apart", os.getpgid(server) != os.getpgid(0), flush=True)
+    print("preload", *forkserver._forkserver._preload_modules, flush=True)
 os.killpg(0, getattr(signal, name))  # what torchrun, Kubernetes and a terminal do
-time.sleep(0.5)  # a worker that died of it would be reported from here on
+time.sleep(0.5)  # a worker (or server) that died of it would be reported from here on
 rest = {int(p) for batch in batches for p in batch}
 print("workers", len(pids), "same", rest == pids, flush=True)
+if start == "forkserver":  # the server still starts workers: the next epoch's
+    again = build_loader(Pids(), batch_size=4, train=True, workers=1, seed=0,
+                         multiprocessing_context=start, persistent_workers=False)
+    print("next", len([b for b in again]), flush=True)
 # The loader is still alive at exit: the interpreter must still end.
 """
 
+_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2")
+
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"])
-def test_workers_outlive_a_signal_to_the_whole_group_and_still_end_at_exit(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "start"),
+    [
+        *((s, "fork") for s in _SIGNALS),
+        *((s, "forkserver") for s in _SIGNALS),
+        ("SIGTERM", "spawn"),
+    ],
+)
+def test_workers_outlive_a_signal_to_the_whole_group_and_still_end_at_exit(
+    name: str, start: str
+) -> None:
+    # A forkserver is the training process's child: without a group of its own the
+    # signal killed it, its workers exited and the next batch failed.
     done = warm_run(
-        [sys.executable, "-c", _GROUP_SIGNAL_JOB, name], capture_output=True, text=True,
+        [sys.executable, "-c", _GROUP_SIGNAL_JOB, name, start], capture_output=True, text=True,
         timeout=90, start_new_session=True,  # a process group of its own to signal
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"parent got {name}" in done.stdout
     assert "workers 2 same True" in done.stdout, done.stderr[-3000:]
+    if start == "forkserver":
+        assert "server apart True" in done.stdout, done.stdout
+        preload = "preload torch loader_fixtures ddpkit.data._forkserver_group"
+        assert preload in done.stdout, done.stdout
+        assert "next 16" in done.stdout, done.stderr[-3000:]
 
 
 _KILLED_TRAINER_JOB = """
@@ -258,3 +284,37 @@ def test_workers_end_when_the_training_process_is_killed(start: str) -> None:
     for p in left:
         os.kill(p, 9)
     assert left == [], f"still running after the training process was killed: {left}"
+
+
+_PRELOAD_JOB = """
+import multiprocessing, os, sys
+from multiprocessing import forkserver
+from ddpkit.data._forkserver_group import keep_forkserver_apart
+
+group = os.getpgid(0)
+for context in sys.argv[1:]:
+    keep_forkserver_apart(None if context == "None" else
+                          multiprocessing.get_context(context[4:]) if context.startswith("ctx:")
+                          else context)
+print("preload", *forkserver._forkserver._preload_modules)  # Python's own: __main__
+print("method", multiprocessing.get_start_method(allow_none=True))
+print("same group", os.getpgid(0) == group)  # imported outside a forkserver: nothing moves
+"""
+
+
+@pytest.mark.parametrize(
+    ("contexts", "preload"),
+    [
+        (["fork", "spawn", "ctx:fork", "ctx:spawn"], ""),
+        (["forkserver"], " ddpkit.data._forkserver_group"),
+        (["ctx:forkserver", "forkserver"], " ddpkit.data._forkserver_group"),  # named once
+        (["None"], " ddpkit.data._forkserver_group" if sys.version_info >= (3, 14) else ""),
+    ],
+)
+def test_only_a_forkserver_loader_names_the_group_module(contexts: list[str], preload: str) -> None:
+    # Python's default start method is read, never fixed: a later set_start_method still works.
+    done = subprocess.run([sys.executable, "-c", _PRELOAD_JOB, *contexts],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = ["preload __main__" + preload, "method None", "same group True"]
+    assert done.stdout.splitlines() == lines

@@ -100,8 +100,16 @@ def _launch(
 def _run(command: list[str], when: Callable[[WarmProcess], None] | None = None) -> str:
     """The output of ``command``, which must succeed."""
     code, out = _launch(command, when)
-    assert code == 0, out[-4000:]
+    assert code == 0, _shown(out)
     return out
+
+
+def _shown(out: str) -> str:
+    """What a failed assertion shows: every rank's error line, then the output's end."""
+    errors = [
+        line for line in out.splitlines() if re.match(r"\[rank\d+\]: \w+(Error|Exception)", line)
+    ]
+    return "\n".join([*errors, "[...]", out[-3000:]])
 
 
 def _children(pid: int) -> list[int]:
@@ -173,7 +181,7 @@ def _final(checkpoints: Path) -> dict[str, torch.Tensor]:
 def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     checkpoints = tmp_path_factory.mktemp("reference")
     out = _run(_spawn(data, checkpoints, 2, workers=0))
-    assert f"epoch {EPOCHS}/{EPOCHS}: train_loss" in out, out[-3000:]
+    assert f"epoch {EPOCHS}/{EPOCHS}: train_loss" in out, _shown(out)
     return _final(checkpoints)
 
 
@@ -229,8 +237,8 @@ def spawn_resumed(data: Path, spawn_job: Job, tmp_path_factory: pytest.TempPathF
 
 def _assert_resumed_bit_exact(resumed: Job, reference: dict[str, torch.Tensor]) -> None:
     code, out, checkpoints = resumed
-    assert code == 0, out[-4000:]
-    assert "resuming at epoch" in out, out[-4000:]
+    assert code == 0, _shown(out)
+    assert "resuming at epoch" in out, _shown(out)
     _assert_equal(_final(checkpoints), reference)
 
 
@@ -238,7 +246,7 @@ def _assert_stop_checkpoint(out: str) -> None:
     """The stop names the checkpoint it wrote, which exists: interrupted.pth, or latest.pth
     when the step the ranks agreed to stop after was the last of an epoch."""
     said = re.search(r"stopped by SIGTERM after step \d+, checkpoint (\S+);", out)
-    assert said is not None, out[-4000:]
+    assert said is not None, _shown(out)
     path = Path(said.group(1))
     assert path.name in ("interrupted.pth", "latest.pth"), said.group(0)
     assert path.is_file(), said.group(0)
@@ -251,7 +259,7 @@ def test_torchrun_restarts_a_killed_worker_and_ends_bit_exact(
     command = [*_torchrun("--max-restarts", "3"), *_args(data, tmp_path, "--resume")]
     out = _run(command, _kill_a_worker(tmp_path, 6))
     resumed = re.search(r"resuming at epoch \d+ step (\d+) \(\d+ batches of the epoch done\)", out)
-    assert resumed, out[-4000:]
+    assert resumed, _shown(out)
     assert int(resumed.group(1)) >= 6  # from a step checkpoint, not from the start
     _assert_equal(_final(tmp_path), reference)
 
@@ -261,8 +269,8 @@ def test_spawn_max_restarts_restarts_a_killed_process_and_ends_bit_exact(
     spawn_job: Job, spawn_resumed: Job, reference: dict[str, torch.Tensor]
 ) -> None:
     out = spawn_job[1]
-    assert "restarting all 2 processes (restart 1 of 2)" in out, out[-4000:]
-    assert "resuming at epoch" in out, out[-4000:]
+    assert "restarting all 2 processes (restart 1 of 2)" in out, _shown(out)
+    assert "resuming at epoch" in out, _shown(out)
     _assert_resumed_bit_exact(spawn_resumed, reference)
 
 
@@ -271,7 +279,7 @@ def test_sigterm_to_the_launcher_exits_75_and_the_resumed_run_is_bit_exact(
     spawn_job: Job, spawn_resumed: Job, reference: dict[str, torch.Tensor]
 ) -> None:
     code, out, _ = spawn_job
-    assert code == PREEMPTED_EXIT_CODE, out[-4000:]
+    assert code == PREEMPTED_EXIT_CODE, _shown(out)
     _assert_stop_checkpoint(out)
     _assert_resumed_bit_exact(spawn_resumed, reference)
 
@@ -280,11 +288,11 @@ def test_sigterm_to_the_launcher_exits_75_and_the_resumed_run_is_bit_exact(
 def test_a_2_rank_run_continues_on_3_with_a_warning(
     data: Path, spawn_job: Job, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    assert spawn_job[0] == PREEMPTED_EXIT_CODE, spawn_job[1][-4000:]
+    assert spawn_job[0] == PREEMPTED_EXIT_CODE, _shown(spawn_job[1])
     code, out, checkpoints = _resumed(spawn_job, data, tmp_path_factory, 3)
-    assert code == 0, out[-4000:]
-    assert "not bit-exact" in out, out[-4000:]
-    assert f"epoch {EPOCHS}/{EPOCHS}: train_loss" in out, out[-4000:]
+    assert code == 0, _shown(out)
+    assert "not bit-exact" in out, _shown(out)
+    assert f"epoch {EPOCHS}/{EPOCHS}: train_loss" in out, _shown(out)
     assert load_checkpoint(checkpoints / "latest.pth")["world_size"] == 3
 
 
@@ -294,11 +302,11 @@ def test_sigterm_to_torchrun_reaches_the_workers_which_save_and_resume_bit_exact
 ) -> None:
     command = [*_torchrun("--max-restarts", "3"), *_args(data, tmp_path, "--resume")]
     code, out = _launch(command, _terminate_launcher(tmp_path, 2))
-    assert code != 0, out[-4000:]  # torchrun's own status after a signal; never a restart
-    assert "stopped by SIGTERM after step" in out, out[-4000:]
+    assert code != 0, _shown(out)  # torchrun's own status after a signal; never a restart
+    assert "stopped by SIGTERM after step" in out, _shown(out)
     _assert_stop_checkpoint(out)
     out = _run(_spawn(data, tmp_path, 2, "--resume", workers=0))
-    assert "resuming at epoch" in out, out[-4000:]
+    assert "resuming at epoch" in out, _shown(out)
     _assert_equal(_final(tmp_path), reference)
 
 
@@ -311,8 +319,8 @@ def test_ctrl_c_to_torchrun_stops_the_ranks_with_a_checkpoint(data: Path, tmp_pa
         proc.send_signal(signal.SIGINT)
 
     code, out = _launch([*_torchrun(), *_args(data, tmp_path, workers=0)], interrupt)
-    assert code == 1, out[-4000:]
+    assert code == 1, _shown(out)
     said = re.search(r"stopped by SIGINT after step \d+, checkpoint (\S+);", out)
-    assert said is not None, out[-4000:]
+    assert said is not None, _shown(out)
     assert Path(said.group(1)).is_file()
     assert "SignalException" in out[said.end() :]  # torchrun's traceback comes after it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -43,3 +44,13 @@ class Noisy(Dataset[tuple[int, int, float, float]]):
 
     def __getitem__(self, index: int) -> tuple[int, int, float, float]:
         return index, int(torch.randint(0, 2**30, ())), random.random(), float(np.random.rand())
+
+
+class Pids(Dataset[int]):
+    """Each item is the process id of the worker that loaded it."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> int:
+        return os.getpid()
