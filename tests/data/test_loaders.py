@@ -231,7 +231,7 @@ def test_workers_outlive_a_signal_to_the_whole_group_and_still_end_at_exit(
     assert "workers 2 same True" in done.stdout, done.stderr[-3000:]
     if start == "forkserver":
         assert "server apart True" in done.stdout, done.stdout
-        preload = "preload torch loader_fixtures ddpkit.data._forkserver_group"
+        preload = "preload ddpkit.data._forkserver_group torch loader_fixtures"
         assert preload in done.stdout, done.stdout
         assert "next 16" in done.stdout, done.stderr[-3000:]
 
@@ -251,7 +251,12 @@ next(batches)
 pids = [w.pid for w in batches._workers]
 if start == "forkserver":
     from multiprocessing import forkserver
+    from torch.utils.data import DataLoader
     pids.append(forkserver._forkserver._forkserver_pid)
+    # A plain DataLoader's worker from the same server watches only the server.
+    plain = iter(DataLoader(Indices(8), num_workers=1, multiprocessing_context="forkserver"))
+    next(plain)
+    pids += [w.pid for w in plain._workers]
 print(*pids, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind
 """
@@ -276,7 +281,7 @@ def test_workers_end_when_the_training_process_is_killed(start: str) -> None:
                     capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == -9, done.stderr[-3000:]
     pids = [int(p) for p in done.stdout.split()]
-    assert len(pids) == (3 if start == "forkserver" else 2)
+    assert len(pids) == (4 if start == "forkserver" else 2)
     deadline = time.monotonic() + 20  # torch's workers look at their parent every 5 s
     while any(map(_running, pids)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -292,14 +297,21 @@ from multiprocessing import forkserver
 from ddpkit.data._forkserver_group import keep_forkserver_apart
 
 group = os.getpgid(0)
-for context in sys.argv[1:]:
-    keep_forkserver_apart(None if context == "None" else
-                          multiprocessing.get_context(context[4:]) if context.startswith("ctx:")
-                          else context)
+contexts = {"None": None, "default": multiprocessing.context._default_context}
+for name in sys.argv[1:]:
+    if name.startswith("ctx:"):
+        keep_forkserver_apart(multiprocessing.get_context(name[4:]))
+    else:
+        keep_forkserver_apart(contexts.get(name, name))
 print("preload", *forkserver._forkserver._preload_modules)  # Python's own: __main__
 print("method", multiprocessing.get_start_method(allow_none=True))
 print("same group", os.getpgid(0) == group)  # imported outside a forkserver: nothing moves
 """
+
+
+# Python starts workers with a forkserver by default on Linux from 3.14.
+_LINUX_314 = sys.version_info >= (3, 14) and sys.platform.startswith("linux")
+_BY_DEFAULT = " ddpkit.data._forkserver_group" if _LINUX_314 else ""
 
 
 @pytest.mark.parametrize(
@@ -308,7 +320,7 @@ print("same group", os.getpgid(0) == group)  # imported outside a forkserver: no
         (["fork", "spawn", "ctx:fork", "ctx:spawn"], ""),
         (["forkserver"], " ddpkit.data._forkserver_group"),
         (["ctx:forkserver", "forkserver"], " ddpkit.data._forkserver_group"),  # named once
-        (["None"], " ddpkit.data._forkserver_group" if sys.version_info >= (3, 14) else ""),
+        (["None", "default"], _BY_DEFAULT),
     ],
 )
 def test_only_a_forkserver_loader_names_the_group_module(contexts: list[str], preload: str) -> None:
@@ -316,5 +328,26 @@ def test_only_a_forkserver_loader_names_the_group_module(contexts: list[str], pr
     done = subprocess.run([sys.executable, "-c", _PRELOAD_JOB, *contexts],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = ["preload __main__" + preload, "method None", "same group True"]
+    lines = [f"preload{preload} __main__", "method None", "same group True"]
     assert done.stdout.splitlines() == lines
+
+
+_SERVER_CHILD_JOB = """
+import multiprocessing
+import loader_fixtures
+
+ctx = multiprocessing.get_context("forkserver")
+ctx.set_forkserver_preload(["loader_fixtures"])  # a server started without the module
+child = ctx.Process(target=loader_fixtures.import_group_module)
+child.start()
+child.join()
+print("child", child.exitcode)
+"""
+
+
+def test_a_process_a_forkserver_forked_keeps_its_group_on_import() -> None:
+    # Its stack still holds the server's main(); only the server's own preload moves.
+    done = warm_run([sys.executable, "-c", _SERVER_CHILD_JOB],
+                    capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["child", "0"], done.stderr[-3000:]

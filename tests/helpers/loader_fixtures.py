@@ -54,3 +54,18 @@ class Pids(Dataset[int]):
 
     def __getitem__(self, index: int) -> int:
         return os.getpid()
+
+
+def import_group_module() -> None:
+    """In a process a forkserver forked: exit 0 if importing the group module leaves its group.
+
+    4: the module was already imported (the check would prove nothing); 3: it moved.
+    """
+    import sys
+
+    if "ddpkit.data._forkserver_group" in sys.modules:
+        sys.exit(4)
+    before = os.getpgid(0)
+    import ddpkit.data._forkserver_group  # noqa: F401
+
+    sys.exit(0 if os.getpgid(0) == before else 3)
