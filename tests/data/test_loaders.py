@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from torch.utils.data import (
     RandomSampler,
     SequentialSampler,
 )
-from warm import warm_run  # type: ignore[import-not-found]
+from warm import warm_popen, warm_run  # type: ignore[import-not-found]
 
 from ddpkit.data import DistributedEvalSampler, build_loader, set_epoch
 from ddpkit.distributed import comm
@@ -273,15 +274,21 @@ def _running(pid: int) -> bool:
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
-def test_workers_end_when_the_training_process_is_killed(start: str) -> None:
+def test_workers_end_when_the_training_process_is_killed(start: str, tmp_path: Path) -> None:
     # A forkserver's workers are the server's children and hold it open: without
-    # build_loader's watch on the training process, both would run for ever.
+    # build_loader's watch on the training process, and the server's own end with
+    # it, they would run for ever. Output to a file: processes left running hold
+    # its descriptor, and a pipe would keep this test from their pids.
     tests = os.path.dirname(os.path.abspath(__file__))
-    done = warm_run([sys.executable, "-c", _KILLED_TRAINER_JOB, start, tests],
-                    capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert done.returncode == -9, done.stderr[-3000:]
-    pids = [int(p) for p in done.stdout.split()]
-    assert len(pids) == (4 if start == "forkserver" else 2)
+    with open(tmp_path / "out", "w+", encoding="utf-8") as out:
+        job = warm_popen([sys.executable, "-c", _KILLED_TRAINER_JOB, start, tests],
+                         stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        code = job.wait(60)
+        out.seek(0)
+        printed = out.read()
+    assert code == -9, printed[-3000:]
+    pids = [int(p) for p in printed.split()]
+    assert len(pids) == (4 if start == "forkserver" else 2), printed[-3000:]
     deadline = time.monotonic() + 20  # torch's workers look at their parent every 5 s
     while any(map(_running, pids)) and time.monotonic() < deadline:
         time.sleep(0.2)
