@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -244,6 +245,11 @@ def _child_entry(
                 f"the return value of rank {index} could not be sent to the parent: "
                 f"{type(exc).__name__}: {exc}",
             )
+    # A DataLoader iterator that only a reference cycle holds (an exception's
+    # traceback, say) is freed by the collector alone, and this process ends by
+    # os._exit, which runs none: workers from a forkserver, and the server, would
+    # wait for each other for ever. Collected here, its workers are shut down.
+    gc.collect()
     # Report before tearing the group down: the teardown is what makes the
     # other ranks fail, and their reports must not look like the first failure.
     results.put(report)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,3 +93,51 @@ def test_rank_failed_error_keeps_its_rank_and_traceback() -> None:
     assert (error.rank, error.remote_traceback, str(error)) == (3, "Traceback ...", error.args[0])
     assert isinstance(error, RuntimeError)
     assert RankFailedError("x", 0).remote_traceback == ""
+
+
+def _leave_workers(index: int, directory: str) -> None:
+    """Leave a forkserver DataLoader whose worker raised behind, held by a traceback; end."""
+    from multiprocessing import forkserver
+
+    from loader_fixtures import FailsAt  # type: ignore[import-not-found]
+    from torch.utils.data import DataLoader
+
+    forkserver.set_forkserver_preload(["torch", "loader_fixtures"])  # workers start at once
+    loader = DataLoader(FailsAt(64, 3), num_workers=2, multiprocessing_context="forkserver")
+    batches = iter(loader)
+    pids = [w.pid for w in batches._workers] + [forkserver._forkserver._forkserver_pid]
+    Path(directory, "pids").write_text(" ".join(map(str, pids)))
+    try:
+        for _ in batches:
+            pass
+    except ValueError as exc:  # the worker's error, re-raised here
+        raise RuntimeError("failed with its loader open") from exc
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+_FAST: dict[str, Any] = {"timeout": 90, "start_method": "forkserver"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_a_loader_its_failure_holds_does_not_outlive_its_process(tmp_path: Path) -> None:
+    # The traceback holds the iterator in a reference cycle, and a process ends by
+    # os._exit: without a collection the iterator is never freed, and a forkserver
+    # and its workers wait for each other for ever.
+    with pytest.raises(RankFailedError, match="failed with its loader open"):
+        run_processes(_leave_workers, 1, args=(str(tmp_path),), **_FAST)
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    deadline = time.monotonic() + 20
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if _running(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert left == [], f"still running after their process ended: {left}"

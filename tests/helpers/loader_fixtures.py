@@ -69,3 +69,16 @@ def import_group_module() -> None:
     import ddpkit.data._forkserver_group  # noqa: F401
 
     sys.exit(0 if os.getpgid(0) == before else 3)
+
+
+class FailsAt(Indices):
+    """Indices whose item ``bad`` raises ValueError, in whichever worker loads it."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        super().__init__(n)
+        self.bad = bad
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.bad:
+            raise ValueError(f"item {index} is bad")
+        return index
