@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from loader_fixtures import Indices, Noisy, info
+from loader_fixtures import Indices, Noisy, info, left_running
 from torch.utils.data import (
     DistributedSampler,
     IterableDataset,
@@ -263,14 +262,6 @@ os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind
 """
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("start", ["fork", "forkserver"])
@@ -289,12 +280,7 @@ def test_workers_end_when_the_training_process_is_killed(start: str, tmp_path: P
     assert code == -9, printed[-3000:]
     pids = [int(p) for p in printed.split()]
     assert len(pids) == (4 if start == "forkserver" else 2), printed[-3000:]
-    deadline = time.monotonic() + 20  # torch's workers look at their parent every 5 s
-    while any(map(_running, pids)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [p for p in pids if _running(p)]
-    for p in left:
-        os.kill(p, 9)
+    left = left_running(pids, 20)  # torch's workers look at their parent every 5 s
     assert left == [], f"still running after the training process was killed: {left}"
 
 

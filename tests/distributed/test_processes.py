@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from loader_fixtures import left_running  # type: ignore[import-not-found]
 
 from ddpkit.distributed.processes import RankFailedError, Stop, run_and_collect, run_processes
 
@@ -114,14 +115,6 @@ def _leave_workers(index: int, directory: str) -> None:
         raise RuntimeError("failed with its loader open") from exc
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
-
-
 _FAST: dict[str, Any] = {"timeout": 90, "start_method": "forkserver"}
 
 
@@ -134,10 +127,5 @@ def test_a_loader_its_failure_holds_does_not_outlive_its_process(tmp_path: Path)
     with pytest.raises(RankFailedError, match="failed with its loader open"):
         run_processes(_leave_workers, 1, args=(str(tmp_path),), **_FAST)
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
-    deadline = time.monotonic() + 20
-    while any(map(_running, pids)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [p for p in pids if _running(p)]
-    for p in left:
-        os.kill(p, 9)
+    left = left_running(pids, 20)
     assert left == [], f"still running after their process ended: {left}"

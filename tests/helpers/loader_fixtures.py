@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -82,3 +83,23 @@ class FailsAt(Indices):
         if index == self.bad:
             raise ValueError(f"item {index} is bad")
         return index
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has ended); reads /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def left_running(pids: list[int], seconds: float) -> list[int]:
+    """The processes of ``pids`` still running after ``seconds``; they are killed."""
+    deadline = time.monotonic() + seconds
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if running(p)]
+    for p in left:
+        os.kill(p, 9)
+    return left
