@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,21 @@ class TailImages(Dataset[tuple[torch.Tensor, int]]):
         return out.float().mean(dim=(0, 1)) / 255, label
 
 
+def _wait_for_saved(plan: dict[str, Any]) -> None:
+    """Wait until step ``plan["saved_before_kill"]``'s checkpoint is on disk, if given.
+
+    It is written in the background and may lag a step or two on a busy machine:
+    the kill then falls between two checkpoints, not in one's write (a test of its own).
+    """
+    step = plan.get("saved_before_kill")
+    if step is None:
+        return
+    path = Path(plan["dir"], f"step-{step:09d}.pth")
+    deadline = time.monotonic() + 120
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 class Hooked(torch.optim.SGD):
     """SGD that can kill or signal its own process at a given optimizer step."""
 
@@ -98,6 +114,7 @@ class Hooked(torch.optim.SGD):
         self.count += 1
         kill = self.plan.get("kill_at")
         if kill is not None and kill[0] == self.rank and kill[1] == self.count:
+            _wait_for_saved(self.plan)
             os.kill(os.getpid(), signal.SIGKILL)
         sig = self.plan.get("signal_at")
         if sig is not None and sig[0] == self.rank and sig[1] == self.count:

@@ -84,7 +84,10 @@ _RANDOM_STEP = random.Random().randint(1, STEPS_PER_EPOCH * EPOCHS - 1)
 def test_a_killed_job_resumes_bit_exactly(
     kill_at: tuple[int, int], reference: Weights, tmp_path: Path
 ) -> None:
-    plan = {"dir": str(tmp_path), "every_steps": 2, "kill_at": kill_at}
+    plan: dict[str, Any] = {"dir": str(tmp_path), "every_steps": 2, "kill_at": kill_at}
+    newest = kill_at[1] - 1 - (kill_at[1] - 1) % 2  # the last step checkpoint due before it
+    if newest >= 2 and newest % STEPS_PER_EPOCH:  # mid-epoch: a step checkpoint of its own
+        plan["saved_before_kill"] = newest
     _killed(plan)
     record = str(tmp_path / "reads")
     results = _run({"dir": str(tmp_path), "every_steps": 2, "resume": True, "record": record})
