@@ -36,6 +36,7 @@ if HELPERS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 # covers its tests; "file::test" one test. A new test that starts several processes goes here.
 _SERIAL = (
     "adversarial/test_bad_jobs.py",
+    "adversarial/test_bad_trackers.py",
     "checkpoint/test_manager.py",
     "checkpoint/test_sync.py",
     "checkpoint/test_transfer.py",

@@ -52,6 +52,7 @@ __all__ = [
     "claim_directory",
     "describe_error",
     "load_newest",
+    "newest_extra",
     "next_generation",
     "raise_earlier_failure",
     "rank0_state",
@@ -157,6 +158,35 @@ def load_newest(directory: Path, path: Path | None, map_location: MapLocation) -
         + ". "
         + see("checkpoints")
     )
+
+
+def newest_extra(directory: Path) -> tuple[str, dict[str, Any]] | None:
+    """The name and ``extra`` of the checkpoint a resume of ``directory`` takes, or None.
+
+    The same choice as :func:`load_newest` (the newest of the newest generation
+    any rank holds: ``latest.pth``, a step file or ``interrupted.pth``), read
+    without its tensors on a rank that holds it; a file whose ``extra`` cannot be
+    read gives way to the next newest, as the resume's load does. All ranks must
+    call this, or it deadlocks.
+    """
+    views = all_gather_object(scan(directory)[0])
+    rank = get_rank()
+    for header, holders in newest_first(views):
+        extra = _extra_of(directory / header.name) if rank in holders else None
+        seen = [e for r, e in enumerate(all_gather_object(extra)) if r in holders and e is not None]
+        if seen:
+            return header.name, seen[0]
+    return None
+
+
+def _extra_of(path: Path) -> dict[str, Any] | None:
+    """The ``extra`` a ddpkit checkpoint at ``path`` records (its tensors left on disk)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # damaged or gone since the scan: the resume skips it too
+        return None
+    extra = state.get("extra") if isinstance(state, dict) else None
+    return extra if isinstance(extra, dict) else {}
 
 
 def claim_directory(directory: Path, *, writes: bool, overwrite: bool) -> None:

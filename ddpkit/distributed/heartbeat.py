@@ -47,6 +47,7 @@ PHASES = {
     "end_val_data": "stopping the workers of validation data",
     "validate": "in validation",
     "save": "saving a checkpoint",
+    "trackers": "reporting the end of the run (summary, curves, the trackers' last records)",
     "start_data": "starting workers for training data",
     "data": "waiting for training data",
     "end_data": "stopping the workers of training data",
@@ -56,8 +57,11 @@ _ORDER = {name: i for i, name in enumerate(PHASES)}
 # Never timed: a loader starting its workers (importing torch in each, a spawn or
 # forkserver start, the user's worker_init_fn) or joining them (DataLoader bounds
 # that) takes as long as it takes. While any rank is in one, the others (which soon
-# wait for it in a collective) are not timed either.
-UNTIMED_PHASES = frozenset({"start", "start_data", "start_val_data", "end_data", "end_val_data"})
+# wait for it in a collective) are not timed either. The trackers' last records are
+# waited for with a deadline of their own (ddpkit.training.trackers).
+UNTIMED_PHASES = frozenset(
+    {"start", "start_data", "start_val_data", "end_data", "end_val_data", "trackers"}
+)
 
 
 def where(step: int, phase: str) -> str:

@@ -42,6 +42,7 @@ from ddpkit.distributed.devices import cpu_share
 from ddpkit.examples.seresnext_config import (
     apply_config,
     given_on_command_line,
+    refuse,
     resolved,
 )
 from ddpkit.examples.seresnext_setup import (
@@ -56,6 +57,8 @@ from ddpkit.examples.seresnext_setup import (
     weights_prefix,
     workers_per_process,
 )
+from ddpkit.training.config import parse_trackers
+from ddpkit.training.trackers import missing_extra
 
 
 def _number(kind: type, least: float, strict: bool) -> Any:
@@ -65,7 +68,8 @@ def _number(kind: type, least: float, strict: bool) -> Any:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
         if not math.isfinite(value) or not (value > least if strict else value >= least):
             raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {least:g}")
         return value
@@ -85,6 +89,27 @@ def _steps(text: str) -> tuple[int, int]:
     return steps
 
 
+def _tracker_names(text: str) -> tuple[str, ...]:
+    """An argparse type: ``mlflow,wandb`` or ``"mlflow, wandb"``, names of ``TRACKERS``."""
+    try:
+        return parse_trackers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class _AllNames(argparse.Action):
+    """``--log-with a,b c``: every name of every word, each once, in order."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, tuple(dict.fromkeys(n for word in values for n in word)))
+
+
 def _classes(data: str | None) -> int | None:
     """The training set's classes, read from its index (None: no data there yet)."""
     if data is None:
@@ -95,13 +120,14 @@ def _classes(data: str | None) -> int | None:
         return None
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The example's flags; :func:`parse_args` adds ``--config`` and the checks between flags."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--config",
         metavar="FILE",
-        help="a YAML or TOML file of flag: value, the defaults of the\n"
-        "flags (batch_size: 512); the command line wins",
+        help="a YAML or TOML file of flag: value (at most 1 MiB), the\n"
+        "defaults of the flags (batch_size: 512); the command line wins",
     )
     p.add_argument("--data", metavar="DIR", help="directory with train.lmdb and val.lmdb")
     p.add_argument("--arch", default="legacy_seresnext101_32x4d", help="a timm model name")
@@ -175,7 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_number(int, 0, False),
         default=9,
         metavar="M",
-        help="--auto-augment's strength: rand 0..30 (timm's m9), augmix's\nseverity 1..10",
+        help="--auto-augment's strength: rand 0..30, M/30 of each op's\nstrongest (timm's "
+        "rand-m9 is about 27; default 9), augmix's\nseverity 1..10",
     )
     p.add_argument(
         "--random-erase",
@@ -280,6 +307,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--log-with",
+        type=_tracker_names,
+        nargs="+",
+        action=_AllNames,
         metavar="NAMES",
         help="trackers rank 0 logs the run to, comma-separated: tensorboard,\n"
         "mlflow, wandb (pip install 'ddpkit[mlflow]' ...); a resumed\n"
@@ -418,6 +448,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="modern: 1 warm-up epoch, cosine, EMA; classic: x0.1 for the last\n"
         "epoch, as the recipe",
     )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse_with_config(p, argv)
     if args.data is None and not args.demo:
@@ -445,6 +480,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.network is not None and (not args.network or "/" in args.network):
         p.error(f"--network is the start of a file name, without '/': got {args.network!r}")
+    missing = [m for m in map(missing_extra, args.log_with or ()) if m is not None]
+    if missing:
+        p.error(f"argument --log-with: {'; '.join(missing)}")
     if args.evaluate and args.demo:
         p.error("--evaluate measures a checkpoint of --data; --demo trains its own: pick one")
     if args.min_crop > 1:
@@ -491,18 +529,21 @@ def _parse_with_config(p: argparse.ArgumentParser, argv: list[str]) -> argparse.
     builtin = {a.dest: a.default for a in p._actions}
     sources = apply_config(p, named) if named is not None else {}
     given = given_on_command_line(p, argv)
-    for (
-        group
-    ) in p._mutually_exclusive_groups:  # --lr on the command line drops the file's --lr-base
+    for group in p._mutually_exclusive_groups:
         dests = {a.dest for a in group._group_actions}
-        from_file = dests & set(sources)
-        if dests & given:
+        # A switch the file leaves off (requires_grad: false) excludes nothing, as on the
+        # command line, where it is not given.
+        switches = {a.dest for a in group._group_actions if a.nargs == 0}
+        from_file = {
+            d for d in dests & set(sources) if d not in switches or p.get_default(d) != builtin[d]
+        }
+        if dests & given:  # --lr on the command line drops the file's --lr-base
             p.set_defaults(**{d: builtin[d] for d in from_file - given})
             for d in from_file - given:
                 del sources[d]
         elif len(from_file) > 1:
             flags = " and ".join(f"--{d.replace('_', '-')}" for d in sorted(from_file))
-            p.error(f"--config {named}: sets {flags}, which exclude each other: keep one")
+            refuse(p, f"--config {named}: sets {flags}, which exclude each other: keep one")
     args = p.parse_args(argv)
     args._sources = {**sources, **dict.fromkeys(given, "command line")}
     return args
@@ -693,7 +734,7 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
             profile_steps=args.profile_steps,
             profile_ranks=tuple(args.profile_ranks) if args.profile_ranks else None,
             run_config=run_config,
-            trackers=tuple(args.log_with.split(",")) if args.log_with else None,
+            trackers=args.log_with,
             project=args.project,
         ),
         faults=ddpkit.FaultConfig(

@@ -21,7 +21,7 @@ from torch import nn
 import ddpkit
 from ddpkit._docs import see
 from ddpkit.checkpoint.files import LATEST
-from ddpkit.checkpoint.sync import check_extra
+from ddpkit.checkpoint.sync import check_extra, newest_extra
 
 __all__ = [
     "batch_error",
@@ -161,19 +161,22 @@ def check_resume_config(directory: str, config: dict[str, Any]) -> None:
     """
     from ddpkit.examples.seresnext_config import resume_changes
 
-    saved = _extra(Path(directory) / LATEST)
+    # The checkpoint the resume takes (a step or interrupted file may be newer than latest.pth).
+    newest = newest_extra(Path(directory))
+    name, saved = newest if newest is not None else (LATEST, None)
     record = saved.get("config") if saved is not None else None
     breaking, changing = resume_changes(record, config) if isinstance(record, dict) else ([], [])
     errors = [e for e in ddpkit.all_gather_object(breaking) if e]
     if errors:
         raise ddpkit.CheckpointError(
-            f"--resume: {directory} was trained with other settings that decide which samples "
-            f"come next ({', '.join(errors[0])}); set them back to resume, or start a new run "
-            f"in another --checkpoints. {see('config-files-and-changed-settings-on-resume')}"
+            f"--resume: {Path(directory) / name} was trained with other settings that decide "
+            f"which samples come next ({', '.join(errors[0])}); set them back to resume, or "
+            "start a new run in another --checkpoints. "
+            + see("config-files-and-changed-settings-on-resume")
         )
     if changing and ddpkit.get_rank() == 0:
         warnings.warn(
-            f"--resume: settings changed since {directory}'s checkpoint ({', '.join(changing)}); "
+            f"--resume: settings changed since {Path(directory) / name} ({', '.join(changing)}); "
             "the rest of the run trains with the new ones, so it is not the uninterrupted run",
             RuntimeWarning,
             stacklevel=2,

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ddpkit.training.losses import FocalLoss
     from ddpkit.training.models import PretrainedReport, freeze_backbone, load_pretrained
     from ddpkit.training.schedules import linear_scaled_lr, warmup_schedule
+    from ddpkit.training.trackers import TrackerError
 
 __all__ = [
     "FaultConfig",
@@ -42,6 +43,7 @@ __all__ = [
     "History",
     "PretrainedReport",
     "ReportConfig",
+    "TrackerError",
     "TrainConfig",
     "TrainingError",
     "evaluate",
@@ -64,5 +66,6 @@ __getattr__, __dir__ = lazy_names(
         "ddpkit.training.losses": ("FocalLoss",),
         "ddpkit.training.models": ("PretrainedReport", "freeze_backbone", "load_pretrained"),
         "ddpkit.training.schedules": ("linear_scaled_lr", "warmup_schedule"),
+        "ddpkit.training.trackers": ("TrackerError",),
     },
 )

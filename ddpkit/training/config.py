@@ -11,8 +11,11 @@ checkpoint package may not import this one) and is re-exported here.
 
 from __future__ import annotations
 
+import difflib
+import enum
+import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +27,7 @@ from ddpkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ddpkit.distributed.stops import StepControl
 from ddpkit.training.evaluation import AMP_DTYPES, Amp, Normalize
 
-__all__ = ["FaultConfig", "ReportConfig", "SaveCadence", "TrainConfig"]
+__all__ = ["FaultConfig", "ReportConfig", "SaveCadence", "TrainConfig", "parse_trackers"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,30 +185,54 @@ class ReportConfig:
     ``run_config`` once, every epoch's record at the global step, and at the end
     the best checkpoint and ``curves.png``. The tracker's run id is saved in every
     checkpoint: a resumed run continues the same tracker run and logs no epoch
-    twice. A tracker that fails warns once and training goes on. None:
-    TensorBoard when it is installed and ``log_dir`` is set, as before 0.3."""
+    twice. A tracker that fails warns once and training goes on. Names are read as
+    :func:`parse_trackers` reads them (one string ``"mlflow, wandb"`` too; any case,
+    each once); an unknown name is a ``ValueError``. None: TensorBoard when it is
+    installed and ``log_dir`` is set, as before 0.3."""
 
     project: str = "ddpkit"
     """The MLflow experiment and W&B project a new tracker run is made in."""
 
+    tracker_timeout: float = 60.0
+    """The longest ``fit`` waits for the trackers, in seconds: while their runs open
+    (one that does not answer is a ``TrackerError``) and for their last records at
+    the end. Between the two they never hold training: they log on a thread of their
+    own."""
+
     run_config: Mapping[str, Any] | None = None
-    """The run's resolved configuration (JSON values), recorded in ``metrics.jsonl``'s
-    run header, logged once to each tracker and saved in every checkpoint."""
+    """The run's resolved configuration, recorded in ``metrics.jsonl``'s run header,
+    logged once to each tracker and saved in every checkpoint. It is copied once into
+    plain JSON values: paths become their text, enums their value, tuples and sets
+    lists, numpy scalars Python numbers, a number that is not finite its text
+    (``"nan"``, ``"inf"``). Any other value (an object, a function) is a ``ValueError``
+    naming its key, so ``vars(args)`` of an ``argparse`` namespace fits as it is."""
 
     def __post_init__(self) -> None:
-        from ddpkit.training.trackers import TRACKERS
-
+        seconds = positive_seconds(self.tracker_timeout)
+        if seconds is None:
+            raise ValueError(
+                f"tracker_timeout must be a positive number of seconds, got "
+                f"{self.tracker_timeout!r}"
+            )
+        object.__setattr__(self, "tracker_timeout", seconds)  # frozen: a plain float from here
         if self.trackers is not None:
-            names = tuple(self.trackers)
-            unknown = [n for n in names if n not in TRACKERS]
-            if unknown or isinstance(self.trackers, str):
+            try:
+                names = _tracker_names(self.trackers)
+            except ValueError as exc:
+                from ddpkit.training.trackers import TRACKERS
+
                 raise ValueError(
-                    f"trackers must be a tuple of {', '.join(map(repr, TRACKERS))}, got "
-                    f"{self.trackers!r}"
+                    f"trackers must be a tuple of {', '.join(map(repr, TRACKERS))} or one "
+                    f"string of them ('mlflow, wandb'), got {_shown(self.trackers)}: {exc}"
+                ) from None
+            object.__setattr__(self, "trackers", names)  # frozen: a plain tuple from here
+        if self.run_config is not None:
+            if not isinstance(self.run_config, Mapping):
+                raise ValueError(
+                    f"run_config must be a mapping of names to values, got "
+                    f"{type(self.run_config).__name__} {_shown(self.run_config)}"
                 )
-            object.__setattr__(self, "trackers", names)
-        if self.run_config is not None and not isinstance(self.run_config, Mapping):
-            raise ValueError(f"run_config must be a mapping, got {self.run_config!r}")
+            object.__setattr__(self, "run_config", _plain(self.run_config, "run_config", ()))
         steps = self.profile_steps
         if steps is not None:
             if (
@@ -223,3 +250,128 @@ class ReportConfig:
             isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in self.profile_ranks
         ):
             raise ValueError(f"profile_ranks must be ranks (ints >= 0), got {self.profile_ranks!r}")
+
+
+def parse_trackers(names: str | Iterable[str]) -> tuple[str, ...]:
+    """The tracker names of ``names``: ``"mlflow, wandb"``, ``"mlflow,wandb"`` or
+    ``("mlflow", "wandb")``, in any case, each kept once in its first place.
+
+    Example:
+        >>> parse_trackers("MLflow, wandb,mlflow")
+        ('mlflow', 'wandb')
+
+    Raises:
+        ValueError: a name that is not one of ``ddpkit.training.trackers.TRACKERS``
+            (the message lists them and the closest), an item that is not a
+            string, or a string that names no tracker.
+    """
+    from ddpkit.training.trackers import TRACKERS
+
+    try:
+        return _tracker_names(names)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; the trackers are {', '.join(TRACKERS)}") from None
+
+
+def _tracker_names(names: object) -> tuple[str, ...]:
+    """:func:`parse_trackers` with a short ``ValueError``: what is wrong, without the list."""
+    from ddpkit.training.trackers import TRACKERS
+
+    if isinstance(names, str):
+        items: list[object] = [names]
+    elif isinstance(names, Iterable) and not isinstance(names, bytes | Mapping):
+        items = list(names)
+    else:
+        raise ValueError(f"{_shown(names)} ({type(names).__name__}) is not a string or a tuple")
+    found: dict[str, None] = {}
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"{_shown(item)} ({type(item).__name__}) is not a tracker name")
+        for part in item.split(","):
+            name = part.strip().lower()
+            if not name:
+                continue
+            if name not in TRACKERS:
+                close = difflib.get_close_matches(name, TRACKERS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"unknown tracker {_shown(part.strip())}{hint}")
+            found[name] = None
+    if isinstance(names, str) and not found:
+        raise ValueError(f"{names!r} names no tracker")
+    return tuple(found)
+
+
+# Deeper than this, a configuration is a data structure, not settings (and would
+# reach Python's recursion limit when written).
+_DEPTH = 64
+
+
+def _plain(value: Any, where: str, path: tuple[int, ...]) -> Any:
+    """``value`` as plain JSON data (see ``ReportConfig.run_config``), or a ``ValueError``
+    naming ``where`` (the key path) and the type; ``path`` holds the containers above."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, enum.Enum):
+        return _plain(value.value, where, path)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        number = float(value)
+        return number if math.isfinite(number) else str(number)
+    if isinstance(value, os.PathLike):
+        text = os.fspath(value)
+        if isinstance(text, str):
+            return text
+    if hasattr(value, "dtype") and hasattr(value, "item") and getattr(value, "shape", None) == ():
+        return _plain(value.item(), where, path)  # a numpy scalar, a 0-d array or tensor
+    container = isinstance(value, Mapping | Set) or (
+        isinstance(value, Sequence) and not isinstance(value, bytes | bytearray)
+    )
+    if container:
+        if id(value) in path:
+            raise ValueError(f"{where} holds itself; pass a copy without the loop")
+        if len(path) >= _DEPTH:
+            raise ValueError(f"{where} is nested more than {_DEPTH} deep; flatten it")
+        inner = (*path, id(value))
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            name = _key(key, where)
+            if name in out:
+                raise ValueError(f"{where} has the key {name!r} twice (as {key!r} too)")
+            out[name] = _plain(item, f"{where}[{name!r}]", inner)
+        return out
+    if container:
+        items = [_plain(v, f"{where}[{i}]", inner) for i, v in enumerate(value)]
+        if isinstance(value, Set):  # no order of its own: one that is the same every run
+            items.sort(key=repr)
+        return items
+    raise ValueError(
+        f"{where}: {_shown(value)} ({type(value).__name__}) is not a JSON value (text, "
+        "number, true/false, null, list or mapping): pass str() of it, or leave it out"
+    )
+
+
+def _key(key: Any, where: str) -> str:
+    """A mapping's key as JSON writes it: text (numbers, true/false and null as JSON's text)."""
+    if isinstance(key, enum.Enum):
+        key = key.value
+    if isinstance(key, os.PathLike):
+        key = os.fspath(key)
+    if isinstance(key, str):
+        return str(key)
+    if key is None or isinstance(key, bool):
+        return {None: "null", True: "true", False: "false"}[key]
+    if isinstance(key, int | float):
+        return str(_plain(key, where, ()))
+    raise ValueError(
+        f"{where} has the key {_shown(key)} ({type(key).__name__}); keys are text or numbers"
+    )
+
+
+def _shown(value: object, width: int = 60) -> str:
+    """``repr(value)``, cut to ``width`` characters: an error message stays one line."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."

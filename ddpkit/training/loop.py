@@ -57,6 +57,7 @@ from ddpkit.training.epoch import (
 from ddpkit.training.evaluation import Criterion, evaluate
 from ddpkit.training.profiling import StepProfiler
 from ddpkit.training.reporting import Reporter
+from ddpkit.training.trackers import TrackerError
 
 __all__ = [
     "FaultConfig",
@@ -239,20 +240,37 @@ def fit(
                 )
             )
         reporter = Reporter(report, is_main=comm.is_main_process())
-        stack.callback(reporter.close)
+        run: Run | None = None
+
+        def close_reporter() -> None:
+            # The trackers' last records have a deadline of their own: not the watchdog's.
+            if watchdog is not None and run is not None:
+                watchdog.progress(run.step, "trackers")
+            reporter.close()
+
+        stack.callback(close_reporter)
         header = _header(
             world, epochs, config, val_loader if val_loader is not None else train_loader
         )
         resumed = checkpoints.resumed_extra if checkpoints is not None and start else {}
-        saved_runs = resumed.get("trackers")
-        runs = reporter.start(
-            header,
-            resumed=start is not None,
-            tracker_runs=saved_runs if isinstance(saved_runs, dict) else None,
-            done_epochs=start.epoch if start is not None else 0,
-        )
+        saved_runs, saved_ledger = resumed.get("trackers"), resumed.get("tracker_ledger")
+        failure: TrackerError | None = None
+        try:
+            runs = reporter.start(
+                header,
+                resumed=start is not None,
+                tracker_runs=saved_runs if isinstance(saved_runs, dict) else None,
+                done_epochs=start.epoch if start is not None else 0,
+                tracker_ledger=saved_ledger if isinstance(saved_ledger, dict) else None,
+            )
+        except TrackerError as exc:  # rank 0's: every rank stops before training
+            runs, failure = {}, exc
         if reporter.tracker_names and world > 1:  # every node's checkpoint copy records them
-            runs = comm.all_gather_object(runs)[0]
+            runs, said = comm.all_gather_object((runs, str(failure or "") or None))[0]
+            if said is not None and failure is None:
+                failure = TrackerError(f"rank 0: {said}")
+        if failure is not None:
+            raise failure
         if start is not None and start.epoch >= epochs:
             reporter.say(f"nothing to do: finished at epoch {start.epoch} of {epochs}")
         elif start is not None:
@@ -308,6 +326,9 @@ def fit(
                 checkpoints.flush()  # every rank learns whether the last write failed
                 if (checkpoints.directory / BEST).exists():
                     best = str(checkpoints.directory / BEST)
+            # The summary, the plot and the trackers' end, on rank 0 while the others may
+            # have left: bounded by the trackers' own deadline, not the watchdog's.
+            run.tick("trackers")
             reporter.finish(history.records, best)
         except BaseException as error:
             if checkpoints is not None:
@@ -361,6 +382,13 @@ def _finish_epoch(
     record["wall_seconds"] = time.perf_counter() - began
     history.records.append(record)
     run.reporter.epoch(record, epochs, run.step)
+    if run.checkpoints is not None and run.reporter.tracker_names:
+        # The ledger travels with the checkpoints: a resume whose trackers.json is gone
+        # (another log_dir, another node) logs each epoch once all the same.
+        ledger = run.reporter.tracker_ledger()
+        if run.world_size > 1:  # every node's copy carries rank 0's
+            ledger = comm.all_gather_object(ledger)[0]
+        run.save_extra["tracker_ledger"] = ledger
     for callback in callbacks:
         callback(record)
     manager = run.checkpoints

@@ -98,7 +98,9 @@ class Reporter:
         if is_main and config.log_dir is not None:
             os.makedirs(config.log_dir, exist_ok=True)
         if is_main and self.tracker_names:
-            self._trackers = Trackers(self.tracker_names, config.log_dir, config.project)
+            self._trackers = Trackers(
+                self.tracker_names, config.log_dir, config.project, timeout=config.tracker_timeout
+            )
 
     def start(
         self,
@@ -107,6 +109,7 @@ class Reporter:
         resumed: bool,
         tracker_runs: dict[str, Any] | None = None,
         done_epochs: int = 0,
+        tracker_ledger: dict[str, Any] | None = None,
     ) -> dict[str, str]:
         """Begin ``metrics.jsonl`` with a run header, and the trackers' runs.
 
@@ -114,8 +117,12 @@ class Reporter:
         ``metrics-<its run id>.jsonl``); a resumed one continues its run's
         record and id, with a header saying where it resumed. Each tracker
         continues its run of ``tracker_runs`` (a resumed checkpoint's) and
-        skips the ``done_epochs`` logged already; returns ``{tracker: run id}``
-        (empty on other ranks).
+        sends, once, the epochs it lacks (``tracker_ledger``, the checkpoint's
+        :meth:`~ddpkit.training.trackers.Trackers.ledger`, and ``done_epochs``
+        say which); returns ``{tracker: run id}`` (empty on other ranks).
+
+        Raises:
+            TrackerError: (rank 0) a tracker asked for cannot start its run.
         """
         if not self.is_main:
             return {}
@@ -124,7 +131,7 @@ class Reporter:
         runs: dict[str, str] = {}
         if self._trackers is not None:
             config = self.config.run_config
-            runs = self._trackers.start(tracker_runs, config, done_epochs)
+            runs = self._trackers.start(tracker_runs, config, done_epochs, tracker_ledger)
             if self.config.trackers is not None:
                 header = {**header, "trackers": runs}
         if self.config.log_dir is None:
@@ -164,11 +171,23 @@ class Reporter:
             self._trackers.epoch(record, step)
         self.say(epoch_line(record, epochs))
 
+    def tracker_ledger(self) -> dict[str, Any]:
+        """What the trackers received and confirmed, for the checkpoints ({} without trackers)."""
+        return self._trackers.ledger() if self._trackers is not None else {}
+
     def finish(self, records: list[dict[str, Any]], best_checkpoint: str | None = None) -> None:
         """The summary table at the end of a run, ``curves.png`` where it can be drawn, and
-        ``best_checkpoint`` (a path) and the picture sent to the trackers."""
+        ``best_checkpoint`` (a path) and the picture sent to the trackers.
+
+        With no ``records`` (a resumed run that had nothing left to train) only a
+        tracker run whose end was not recorded (the job stopped there) gets it."""
         self._finished = True
-        if not self.is_main or not records:
+        if not self.is_main:
+            return
+        if not records:
+            if self._trackers is not None and self._trackers.unfinished():
+                picture = self._plot() if self.config.log_dir is not None else None
+                self._trackers.finish(best_checkpoint, picture)
             return
         scored = [r for r in records if isinstance(r.get("val_acc1"), int | float)]
         best = max(scored, key=lambda r: r["val_acc1"]) if scored else None

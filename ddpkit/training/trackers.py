@@ -5,16 +5,27 @@ through: the run's configuration once, each epoch's record at the global
 step, and at the end the best checkpoint's path and ``curves.png``. Each
 library is imported only when asked for (``ReportConfig(trackers=...)``).
 
+Trackers never stop training. Every tracker call runs on one thread of its
+own, in order; training hands it an epoch's record and goes on, so a server
+that answers in 12 s (or never: MLflow retries for minutes) costs the loop
+nothing. ``fit`` waits for it twice, each time at most ``timeout`` seconds:
+while the runs open (a tracker asked for that cannot start its run is an
+error before training, naming the fix) and at the end (what is still queued
+then stays in the ledger, for a resume to send).
+
 A job that is killed, preempted, requeued or restarted continues the *same*
-tracker run: the run ids go into every checkpoint (``fit`` passes
-:meth:`Trackers.runs` as the save's ``extra``), and the ledger
-``trackers.json`` in ``log_dir`` holds the last epoch each run received, so
-an epoch retrained after a resume is not logged twice. W&B writes its run
-file in the background (every 15 s): an epoch it received stays *pending* in
-the ledger, with its values and step, until its run file on disk holds it;
-a job killed before that re-sends the pending epochs when it resumes, once.
-A tracker that raises (a server down, a full disk) is dropped with one
-warning; training goes on.
+tracker run: the run ids go into every checkpoint, and so does the ledger
+(:meth:`Trackers.ledger`: per tracker the last epoch it received, the epochs
+received or queued but not confirmed on disk, with their values and step,
+and whether the run's end was recorded), which is also kept as
+``trackers.json`` in ``log_dir``, rewritten as each tracker confirms each
+epoch. A resumed run merges the two and asks each tracker which epochs its
+run holds (:meth:`held`), so an epoch is logged once whatever was lost with
+the killed job: the ledger file (another ``log_dir``, another node's disk),
+an epoch W&B had not yet written (it writes its run file in the background,
+every 15 s), or one still queued. A fresh run reads no ledger: an earlier
+run's is not its own. A tracker that fails once running (a server down, a
+full disk) is dropped with one warning; training goes on.
 """
 
 from __future__ import annotations
@@ -24,12 +35,25 @@ import json
 import logging
 import math
 import os
+import queue
+import secrets
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXTRAS", "LEDGER", "TRACKERS", "Trackers", "missing_extra"]
+__all__ = [
+    "EXTRAS",
+    "LEDGER",
+    "TRACKERS",
+    "TRACKER_TIMEOUT_S",
+    "TrackerError",
+    "Trackers",
+    "missing_extra",
+]
 
 logger = logging.getLogger("ddpkit")
 
@@ -37,6 +61,25 @@ TRACKERS = ("tensorboard", "mlflow", "wandb")
 # The module each tracker imports, and the extra that installs it.
 EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 LEDGER = "trackers.json"
+# The longest fit waits for the trackers: while their runs open, and for the last records.
+TRACKER_TIMEOUT_S = 60.0
+# What to do when a tracker's run cannot start, by tracker.
+_START_FIXES = {
+    "tensorboard": "give ReportConfig(log_dir=) a directory this process can write",
+    "mlflow": (
+        "set MLFLOW_TRACKING_URI to your tracking server (http://host:5000); for a local "
+        "store MLFLOW_TRACKING_URI=./mlruns with MLFLOW_ALLOW_FILE_STORE=true (an sqlite:// "
+        'store needs the full package: pip install mlflow), or leave "mlflow" out of trackers'
+    ),
+    "wandb": (
+        "run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to write the "
+        'run here and `wandb sync` it later, or leave "wandb" out of trackers'
+    ),
+}
+
+
+class TrackerError(RuntimeError):
+    """A tracker asked for cannot start its run; raised before training, naming the fix."""
 
 
 def missing_extra(name: str) -> str | None:
@@ -60,20 +103,43 @@ class _TensorBoard:
     durable = True  # log() returns once its events are flushed to disk
 
     def __init__(self, log_dir: Path, project: str) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         self.log_dir = log_dir
-        self.writer = SummaryWriter(os.fspath(log_dir))
+        self.writer: Any = None
 
     def open(self, run_id: str | None, config: Mapping[str, Any] | None) -> str:
+        from torch.utils.tensorboard import SummaryWriter
+
+        if run_id is None:
+            # TensorBoard shows a directory's event files as one run: an earlier run's
+            # move to a directory of their own, a run of their own beside this one.
+            earlier = sorted(self.log_dir.glob("events.out.tfevents.*"))
+            if earlier:
+                aside = self.log_dir / f"tensorboard-earlier-{secrets.token_hex(3)}"
+                aside.mkdir()
+                for path in earlier:
+                    os.replace(path, aside / path.name)
+        self.writer = SummaryWriter(os.fspath(self.log_dir))
         if run_id is None and config is not None:
             self.writer.add_text("config", "    " + json.dumps(dict(config), indent=1), 0)
-        return run_id or str(self.log_dir.resolve())
+        # Unique per run: a fresh run in the same directory is not the one before it.
+        return run_id or f"{self.log_dir.resolve()}#{secrets.token_hex(4)}"
 
     def log(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
+
+    def held(self) -> set[int]:
+        """The epochs the event files in ``log_dir`` hold."""
+        from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]
+            EventAccumulator,
+        )
+
+        events = EventAccumulator(os.fspath(self.log_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        if "epoch" not in events.Tags().get("scalars", ()):
+            return set()
+        return {int(e.value) for e in events.Scalars("epoch")}
 
     def finish(self, best: str | None, picture: Path | None, step: int) -> None:
         if best is not None:
@@ -88,7 +154,8 @@ class _TensorBoard:
         self.writer.flush()
 
     def close(self, finished: bool) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 class _Mlflow:
@@ -132,6 +199,10 @@ class _Mlflow:
         now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, step) for k, v in values.items()]
         self.client.log_batch(self.run_id, metrics=metrics)
+
+    def held(self) -> set[int]:
+        """The epochs the tracking store holds for this run."""
+        return {int(m.value) for m in self.client.get_metric_history(self.run_id, "epoch")}
 
     def finish(self, best: str | None, picture: Path | None, step: int) -> None:
         if best is not None:
@@ -181,7 +252,7 @@ def _wandb_epochs(path: Path) -> set[int]:
 
 class _Wandb:
     name = "wandb"
-    durable = False  # its run file is written in the background: confirmed()
+    durable = False  # its run file is written in the background: held() tells
 
     def __init__(self, log_dir: Path, project: str) -> None:
         import wandb
@@ -203,7 +274,7 @@ class _Wandb:
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step, commit=True)  # without commit the row waits for the next
 
-    def confirmed(self) -> set[int]:
+    def held(self) -> set[int]:
         """The epochs that this run's files on disk hold, of this job and the ones before."""
         wandb_dir = Path(self.run.settings.sync_dir).parent
         held: set[int] = set()
@@ -227,27 +298,110 @@ class _Wandb:
 _KINDS: dict[str, Any] = {"tensorboard": _TensorBoard, "mlflow": _Mlflow, "wandb": _Wandb}
 
 
+class _Worker:
+    """One daemon thread that makes every tracker call, in the order given.
+
+    A thread rather than bounded calls on the training thread: a tracker's
+    client cannot be interrupted mid-request, and a hung one must hold only
+    its own thread (a daemon: it never holds the interpreter's exit either).
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name="ddpkit-trackers", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], Any]) -> Future[Any]:
+        done: Future[Any] = Future()
+        self._jobs.put((job, done))
+        return done
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, done = item
+            try:
+                done.set_result(job())
+            except BaseException as exc:  # handed to whoever waits for it
+                done.set_exception(exc)
+
+
+def _entry(value: Any) -> dict[str, Any] | None:
+    """A ledger entry as read back (a file, a checkpoint), or None when it is not one."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("id"), str):
+        return None
+    pending = [
+        [int(p[0]), int(p[1]), dict(p[2])]
+        for p in value.get("pending") or ()
+        if isinstance(p, list | tuple) and len(p) == 3 and isinstance(p[2], Mapping)
+    ]
+    epoch = value.get("epoch")
+    return {
+        "id": value["id"],
+        "epoch": int(epoch) if isinstance(epoch, int | float) else 0,
+        "pending": pending,
+        "finished": value.get("finished") is True,
+    }
+
+
+def _merged(*entries: dict[str, Any] | None) -> dict[str, Any] | None:
+    """One entry of the same run from several copies: the furthest of each, pending joined."""
+    found = [e for e in entries if e is not None]
+    if not found:
+        return None
+    pending: dict[int, list[Any]] = {}
+    for entry in found:
+        for item in entry["pending"]:
+            pending.setdefault(item[0], item)
+    return {
+        "id": found[0]["id"],
+        "epoch": max(e["epoch"] for e in found),
+        "pending": [pending[e] for e in sorted(pending)],
+        "finished": any(e["finished"] for e in found),
+    }
+
+
 class Trackers:
     """The trackers of one run on rank 0; every call is safe on a tracker that failed.
+
+    All calls to the trackers' libraries run on one thread of this object's
+    own: :meth:`epoch` and :meth:`finish` return at once, :meth:`start` and
+    :meth:`close` wait at most ``timeout`` seconds.
 
     Args:
         names: the trackers (of :data:`TRACKERS`).
         log_dir: where TensorBoard and W&B write, and the ledger lives (None:
             the working directory for W&B, no ledger, no TensorBoard).
         project: the MLflow experiment and W&B project of a new run.
+        timeout: the longest :meth:`start` and :meth:`close` wait for the trackers.
     """
 
     def __init__(
-        self, names: tuple[str, ...], log_dir: str | os.PathLike[str] | None, project: str
+        self,
+        names: tuple[str, ...],
+        log_dir: str | os.PathLike[str] | None,
+        project: str,
+        *,
+        timeout: float = TRACKER_TIMEOUT_S,
     ):
         self.log_dir = Path(log_dir) if log_dir is not None else None
-        self.project = project
-        self._open: dict[str, Any] = {}
+        self.project, self.timeout = project, timeout
         self._names = [n for n in names if n != "tensorboard" or self.log_dir is not None]
+        self._open: dict[str, Any] = {}
         self._runs: dict[str, str] = {}
-        self._logged: dict[str, int] = {}  # the last epoch each run received
-        # Epochs a tracker received but has not confirmed on disk: [epoch, step, values].
+        # The ledger, per tracker: the last epoch its run received; the epochs it received
+        # but has not confirmed on disk, as [epoch, step, values]; whether its end is recorded.
+        self._logged: dict[str, int] = {}
         self._pending: dict[str, list[list[Any]]] = {}
+        self._finished: dict[str, bool] = {}
+        self._queued: list[list[Any]] = []  # epochs handed to the thread, not yet through it
+        self._lock = threading.Lock()  # the ledger: the thread writes it, checkpoints read it
+        self._worker: _Worker | None = None
+        self._starting = ""
         self._step = 0
 
     def start(
@@ -255,91 +409,214 @@ class Trackers:
         runs: Mapping[str, Any] | None,
         config: Mapping[str, Any] | None,
         done_epochs: int = 0,
+        ledger: Mapping[str, Any] | None = None,
     ) -> dict[str, str]:
         """Open each tracker's run: the one of ``runs`` (a checkpoint's), else a new one.
 
-        ``done_epochs``: the epochs the resumed checkpoint holds, all logged
-        already. Returns ``{tracker: run id}`` for the checkpoints.
+        ``done_epochs``: the epochs the resumed checkpoint holds; ``ledger``: the
+        one it carries (:meth:`ledger`). A resumed run sends the epochs its
+        tracker lacks, once. Returns ``{tracker: run id}`` for the checkpoints.
+
+        Raises:
+            TrackerError: a tracker cannot start its run, or does not answer in
+                ``timeout`` s (named, with what to do); the others are closed.
         """
-        ledger = self._read_ledger()
+        if not self._names:
+            return {}
+        self._worker = worker = _Worker()
+        opened = worker.submit(lambda: self._start(runs, config, done_epochs, ledger))
+        try:
+            opened.result(timeout=self.timeout)
+        except TrackerError:
+            self._worker = None  # the runs opened were closed: nothing is left to wait for
+            worker.stop()
+            raise
+        except FutureTimeout:
+            name = self._starting
+            self._worker = None  # its thread is stuck in the tracker: never waited for again
+            worker.stop()
+            raise TrackerError(
+                f"tracker {name} did not start its run in {self.timeout:g} s (its server does "
+                f"not answer?): {_START_FIXES[name]}"
+            ) from None
+        return dict(self._runs)
+
+    def _start(
+        self,
+        runs: Mapping[str, Any] | None,
+        config: Mapping[str, Any] | None,
+        done_epochs: int,
+        ledger: Mapping[str, Any] | None,
+    ) -> None:
+        on_disk = self._read_ledger()
         for name in self._names:
+            self._starting = name
             previous = runs.get(name) if runs else None
             run_id = previous if isinstance(previous, str) else None
             try:
                 tracker = _KINDS[name](self.log_dir or Path.cwd(), self.project)
                 self._runs[name] = tracker.open(run_id, config)
             except Exception as exc:
-                self._failed(name, "could not start its run", exc)
-                continue
+                self._close_open()
+                raise TrackerError(
+                    f"tracker {name} could not start its run ({type(exc).__name__}: "
+                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}): "
+                    f"{_START_FIXES[name]}"
+                ) from exc
             self._open[name] = tracker
-            entry = ledger.get(name) or {}
-            same = entry.get("id") == self._runs[name]
-            known = entry.get("epoch") if same else None
-            self._logged[name] = max(done_epochs if run_id else 0, int(known or 0))
-            pending = entry.get("pending") if same else None
-            self._pending[name] = list(pending) if isinstance(pending, list) else []
-            self._resend(name, tracker)
-        return dict(self._runs)
-
-    def _resend(self, name: str, tracker: Any) -> None:
-        """Log again the pending epochs the run's files do not hold (a killed job lost them)."""
-        if not self._pending[name]:
-            return
-        try:
-            held = tracker.confirmed()
-            for epoch, step, values in self._pending[name]:
-                if epoch not in held:
-                    tracker.log(values, step)
-        except Exception as exc:
-            self._failed(name, "could not log again the epochs its killed job lost", exc)
-            return
+            self._logged[name], self._pending[name], self._finished[name] = 0, [], False
+            if run_id is not None:  # a fresh run reads no ledger: an earlier run's is not its own
+                self._continue(name, tracker, run_id, done_epochs, on_disk, ledger or {})
         self._write_ledger()
+
+    def _continue(
+        self,
+        name: str,
+        tracker: Any,
+        run_id: str,
+        done_epochs: int,
+        on_disk: Mapping[str, Any],
+        carried: Mapping[str, Any],
+    ) -> None:
+        """Take up run ``run_id``: what it holds, what the ledgers say, the epochs it lacks."""
+        copies = [_entry(on_disk.get(name)), _entry(carried.get(name))]
+        entry = _merged(*(e for e in copies if e is not None and e["id"] == run_id))
+        try:
+            held = tracker.held()
+            # Without a ledger (a checkpoint of ddpkit before 0.4): its epochs were logged.
+            logged = max(entry["epoch"] if entry else done_epochs, max(held, default=0))
+            for epoch, step, values in entry["pending"] if entry else ():
+                if epoch not in held:
+                    tracker.log(values, step)  # lost with the killed job, or still queued
+                    logged = max(logged, epoch)
+                    if not tracker.durable:
+                        self._pending[name].append([epoch, step, values])
+        except Exception as exc:
+            self._failed(name, "could not send the epochs its run lacks", exc)
+            return
+        with self._lock:
+            self._logged[name] = logged
+            self._finished[name] = bool(entry and entry["finished"])
 
     def runs(self) -> dict[str, str]:
         """``{tracker: run id}`` of the runs opened (what checkpoints record)."""
         return dict(self._runs)
 
+    def ledger(self) -> dict[str, dict[str, Any]]:
+        """The ledger as it stands, with the epochs still queued as pending (what checkpoints
+        carry, so a resume on another node or into another ``log_dir`` loses nothing)."""
+        with self._lock:
+            return {
+                name: {
+                    "id": run,
+                    "epoch": self._logged.get(name, 0),
+                    "pending": [
+                        *self._pending.get(name, []),
+                        *(q for q in self._queued if q[0] > self._logged.get(name, 0)),
+                    ],
+                    "finished": self._finished.get(name, False),
+                }
+                for name, run in self._runs.items()
+            }
+
     def epoch(self, record: Mapping[str, Any], step: int) -> None:
         """Log one epoch's record at ``step`` (the optimizer steps so far) to each tracker
-        that does not hold that epoch yet."""
+        that does not hold that epoch yet; returns at once."""
+        if self._worker is None or not self._open:
+            return
+        item = [int(record["epoch"]), step, _numbers(record)]
+        with self._lock:
+            self._queued.append(item)
+        self._worker.submit(lambda: self._log(item))
+
+    def _log(self, item: list[Any]) -> None:
+        epoch, step, values = item
         self._step = step
-        values = _numbers(record)
-        epoch = int(record["epoch"])
         for name, tracker in list(self._open.items()):
             if epoch <= self._logged.get(name, 0):
                 continue  # logged before the job stopped: a resumed run does not repeat it
             try:
                 tracker.log(values, step)
+                pending = self._pending[name]
                 if not tracker.durable:
-                    self._pending[name].append([epoch, step, values])
-                    held = tracker.confirmed()
-                    self._pending[name] = [p for p in self._pending[name] if p[0] not in held]
+                    held = tracker.held()
+                    pending = [p for p in [*pending, item] if p[0] not in held]
             except Exception as exc:
                 self._failed(name, f"could not log epoch {epoch}", exc)
                 continue
-            self._logged[name] = epoch
-        self._write_ledger()
+            with self._lock:
+                self._logged[name], self._pending[name] = epoch, pending
+            self._write_ledger()  # each tracker's progress as soon as it is confirmed
+        with self._lock:
+            self._queued.remove(item)
+
+    def unfinished(self) -> bool:
+        """Whether a tracker's run still lacks its end (the best checkpoint, the curves)."""
+        return any(not self._finished.get(name, False) for name in list(self._open))
 
     def finish(self, best: str | None, picture: Path | None) -> None:
-        """The best checkpoint's path and the curves picture, once, at the end of training."""
+        """The best checkpoint's path and the curves picture, once per run, at the end of
+        training (also by a resumed job that finds nothing left to train)."""
+        if self._worker is not None:
+            self._worker.submit(lambda: self._finish(best, picture))
+
+    def _finish(self, best: str | None, picture: Path | None) -> None:
         for name, tracker in list(self._open.items()):
+            if self._finished.get(name):
+                continue
             try:
                 tracker.finish(best, picture, self._step)
             except Exception as exc:
                 self._failed(name, "could not record the best checkpoint and curves", exc)
+                continue
+            with self._lock:
+                self._finished[name] = True
+            self._write_ledger()
 
     def close(self, finished: bool) -> None:
-        """End each tracker's session: ``finished`` marks the run done, else it stays open
-        for the job that resumes it. Safe to call twice."""
+        """End each tracker's session, waiting at most ``timeout`` s for what is queued:
+        ``finished`` marks a run whose end is recorded done, else it stays open for the
+        job that resumes it. Safe to call twice."""
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        closed = worker.submit(lambda: self._close(finished))
+        worker.stop()
+        try:
+            closed.result(timeout=self.timeout)
+        except FutureTimeout:
+            with self._lock:
+                late = sorted({q[0] for q in self._queued})
+            warnings.warn(
+                f"trackers {', '.join(self._open) or '(closing)'} did not finish in "
+                f"{self.timeout:g} s (a server not answering?); "
+                + (f"epochs {late} were not sent, " if late else "")
+                + "metrics.jsonl keeps every epoch, and the checkpoints' ledger lets a resumed "
+                "job send what the runs lack",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _close(self, finished: bool) -> None:
         for name, tracker in list(self._open.items()):
             try:
-                tracker.close(finished)
+                tracker.close(finished and self._finished.get(name, False))
             except Exception as exc:
                 self._failed(name, "could not close its run", exc)
                 continue
-            self._pending[name] = []  # closing wrote the run's files whole
+            with self._lock:
+                self._pending[name] = []  # closing wrote the run's files whole
         self._open.clear()
         self._write_ledger()
+
+    def _close_open(self) -> None:
+        """Close the runs opened so far, as a stopped job leaves them (open, for a retry)."""
+        for name, tracker in list(self._open.items()):
+            try:
+                tracker.close(False)
+            except Exception:  # already failing: the error raised says why
+                logger.debug("closing tracker %s failed too", name, exc_info=True)
+        self._open.clear()
 
     def _failed(self, name: str, what: str, exc: BaseException) -> None:
         """Drop tracker ``name`` with one warning; the run goes on without it."""
@@ -368,10 +645,7 @@ class Trackers:
     def _write_ledger(self) -> None:
         if self.log_dir is None or not self._runs:
             return
-        data = {
-            n: {"id": i, "epoch": self._logged.get(n, 0), "pending": self._pending.get(n, [])}
-            for n, i in self._runs.items()
-        }
+        data = self.ledger()
         path = self.log_dir / LEDGER
         try:
             path.with_suffix(".tmp").write_text(json.dumps(data), encoding="utf-8")

@@ -196,3 +196,76 @@ def test_a_batch_that_does_not_divide_under_torchrun_fails_fast(tmp_path: Path) 
     assert "batch_size=7" not in out  # the loader's advice, in a flag the example lacks
     assert "train.lmdb" not in out  # no dataset was opened (there is none here)
     assert time.monotonic() - began < 90
+
+
+def _write_run(directory: Path, kinds: list[tuple[str, dict[str, object]]]) -> None:
+    """Checkpoints of one run in ``directory``, in order: ``("epoch" | "step" | "interrupted",
+    resolved flags)``, each recording its flags as the example does."""
+    from torch import nn
+
+    from ddpkit.checkpoint import TrainingState
+    from ddpkit.position import Position
+
+    model = nn.Linear(2, 2)
+    manager = ddpkit.CheckpointManager(directory, state=TrainingState(model, torch_sgd(model)))
+    for step, (kind, config) in enumerate(kinds, start=1):
+        if kind == "epoch":
+            manager.save(0, step=step, extra={"config": config})
+        else:
+            manager.save_step(Position(1, 1, 4, step, 1), kind=kind, extra={"config": config})
+
+
+def torch_sgd(model: object) -> object:
+    import torch
+
+    return torch.optim.SGD(model.parameters(), lr=0.1)  # type: ignore[attr-defined]
+
+
+def _config(root: Path, *flags: str) -> dict[str, object]:
+    from ddpkit.examples.seresnext_config import resolved
+
+    return resolved(example.parse_args(_flags(root, *flags)), {})
+
+
+@pytest.mark.parametrize("kind", ["step", "interrupted"])
+@pytest.mark.parametrize("with_latest", [False, True], ids=["first-epoch", "later-epoch"])
+def test_the_resume_check_reads_the_checkpoint_the_resume_takes(
+    tmp_path: Path, kind: str, with_latest: bool
+) -> None:
+    from ddpkit.examples.seresnext_setup import check_resume_config
+
+    seed0, seed7 = _config(tmp_path), _config(tmp_path, "--seed", "7")
+    batch2 = _config(tmp_path, "-b", "2")
+    # Killed in the first epoch (no latest.pth yet) or a later one, whose latest.pth was
+    # written with the settings this run now asks for: the newer file decides.
+    runs = [("epoch", seed7)] if with_latest else []
+    _write_run(tmp_path / "ckpt", [*runs, (kind, seed0)])
+    from ddpkit.checkpoint.files import step_name
+
+    newest = step_name(2 if with_latest else 1) if kind == "step" else "interrupted.pth"
+    for changed, said in ((seed7, "--seed 0 -> 7"), (batch2, "--batch-size 4 -> 2")):
+        with pytest.raises(ddpkit.CheckpointError) as caught:
+            check_resume_config(str(tmp_path / "ckpt"), changed)  # type: ignore[arg-type]
+        assert said in str(caught.value)
+        assert newest in str(caught.value)
+    check_resume_config(str(tmp_path / "ckpt"), seed0)  # type: ignore[arg-type]
+
+
+def _check_on_own_disk(rank: int, world_size: int, root: str, config: dict[str, object]) -> str:
+    from ddpkit.examples.seresnext_setup import check_resume_config
+
+    try:  # only rank 0's disk holds the step checkpoint
+        check_resume_config(str(Path(root) / f"rank{rank}"), config)  # type: ignore[arg-type]
+    except ddpkit.CheckpointError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_the_resume_check_reads_a_checkpoint_only_another_node_holds(tmp_path: Path) -> None:
+    from ddpkit.testing import run_distributed
+
+    _write_run(tmp_path / "rank0", [("step", _config(tmp_path))])
+    said = run_distributed(
+        _check_on_own_disk, 2, args=(str(tmp_path), _config(tmp_path, "--seed", "7")), timeout=60
+    )
+    assert all("--seed 0 -> 7" in s for s in said), said

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -321,8 +323,17 @@ def tracker_job(
     def kill(record: dict[str, Any]) -> None:
         if record["epoch"] == kill_at:
             # The epoch before is saved (its write may still run in the background on a
-            # busy machine): the job dies between two checkpoints, not before its first.
+            # busy machine): the job dies between two checkpoints, not before its first,
+            # once every tracker received the epoch (they log on a thread of their own).
             checkpoints.wait()
+            ledger = Path(directory) / "logs" / "trackers.json"
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with contextlib.suppress(OSError, ValueError):
+                    entries = json.loads(ledger.read_text()).values()
+                    if len(entries) == 3 and all(e["epoch"] >= kill_at for e in entries):
+                        break
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
 
     fit(
@@ -344,3 +355,73 @@ def tracker_job(
         ),
         callbacks=[kill],
     )
+
+
+def tracker_end_job(directory: str, epochs: int, die_in_finish: bool) -> None:
+    """fit() on one process logging to TensorBoard and MLflow in ``directory``.
+
+    With ``die_in_finish`` the process SIGKILLs itself inside MLflow's end of the
+    run (its best checkpoint and curves), as a job killed at that moment.
+    """
+    import os
+    import signal
+
+    from ddpkit.training import trackers
+
+    if die_in_finish:
+        trackers._Mlflow.finish = lambda *_: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
+    torch.manual_seed(1234)
+    model = small_net()
+    loader = DataLoader(NoisyBlobs(n=16), batch_size=8)
+    fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        criterion=nn.CrossEntropyLoss(),
+        epochs=epochs,
+        val_loader=DataLoader(NoisyBlobs(n=8), batch_size=8),
+        checkpoints=CheckpointManager(Path(directory) / "ckpt", prefix="tiny"),
+        resume=True,
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(
+            progress=False,
+            verbose=False,
+            log_dir=Path(directory) / "logs",
+            trackers=("tensorboard", "mlflow"),
+            project="tracker-end",
+        ),
+    )
+
+
+def slow_tracker_run(rank: int, world_size: int, directory: str, delay: float) -> int:
+    """2 epochs on 2 ranks with a 2 s hang watchdog, MLflow answering in ``delay`` s on rank 0."""
+    from ddpkit.training import trackers
+
+    original = trackers._Mlflow.log
+
+    def slow(self: Any, values: dict[str, float], step: int) -> None:
+        time.sleep(delay)  # a tracking server that takes this long to answer
+        original(self, values, step)
+
+    trackers._Mlflow.log = slow  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    info = DistInfo(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", True)
+    model = wrap_ddp(small_net())
+    loader = build_loader(NoisyBlobs(n=32), batch_size=4, train=True, workers=0, info=info)
+    history = fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        criterion=nn.CrossEntropyLoss(),
+        epochs=2,
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(
+            progress=False,
+            verbose=False,
+            log_dir=Path(directory) / f"logs{rank}",
+            trackers=("mlflow",),
+            project="slow-tracker",
+        ),
+        faults=FaultConfig(hang_timeout=2.0),
+    )
+    return len(history.records)

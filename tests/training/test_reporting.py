@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
 
-from ddpkit import ReportConfig
+from ddpkit import CheckpointManager, DistInfo, ReportConfig, TrainConfig, build_loader, fit
 from ddpkit.training.reporting import DATA_WAIT_WARNING, Reporter, epoch_line
 
 _HEADER = {"world_size": 2, "epochs": 3}
@@ -136,3 +141,56 @@ def test_the_epoch_line_shows_the_average_and_the_worst_class() -> None:
     assert "val_acc1 80.00%, val_acc5 99.00%, val_ema_acc1 82.50%" in line
     assert "worst class cat 61.0%" in line
     assert "worst class" not in epoch_line({**record, "val_worst_recall": None}, 10)
+
+
+class _Sched(enum.Enum):
+    STEP = "step"
+
+
+def test_fit_records_a_run_config_of_paths_enums_and_numpy_numbers(tmp_path: Path) -> None:
+    # What vars(args) holds with type=Path and friends: written as text, loadable weights_only.
+    run_config = {
+        "data": tmp_path / "data",
+        "sched": _Sched.STEP,
+        "lr": np.float64(0.1),
+        "epochs": np.int64(1),
+        "milestones": (30, 60),
+        "nested": {"out": PurePosixPath("runs/a")},
+    }
+    plain = {
+        "data": str(tmp_path / "data"),
+        "sched": "step",
+        "lr": 0.1,
+        "epochs": 1,
+        "milestones": [30, 60],
+        "nested": {"out": "runs/a"},
+    }
+    model = nn.Linear(4, 2)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    info = DistInfo(0, 0, 1, 1, 0, torch.device("cpu"), None, False)
+    loader = build_loader(
+        TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4, train=True, workers=0, info=info
+    )
+    fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(),
+        epochs=1,
+        config=TrainConfig(normalize=None),
+        checkpoints=CheckpointManager(tmp_path / "ck"),
+        report=ReportConfig(
+            progress=False, verbose=False, log_dir=tmp_path / "logs", run_config=run_config
+        ),
+    )
+    header, epoch = _lines(tmp_path / "logs" / "metrics.jsonl")
+    assert header["run"]["resolved"] == plain
+    assert epoch["epoch"] == 1
+    state = torch.load(tmp_path / "ck" / "latest.pth", weights_only=True)
+    assert state["extra"]["config"] == plain
+
+
+def test_a_run_config_json_cannot_hold_is_refused_before_any_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"run_config\['args'\]\['model'\]: .*\(Linear\)"):
+        ReportConfig(log_dir=tmp_path / "logs", run_config={"args": {"model": nn.Linear(1, 1)}})
+    assert not (tmp_path / "logs").exists()
