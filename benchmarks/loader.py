@@ -11,9 +11,17 @@ contender:
 (n) (d) with normalize_batch run on the CPU in the consuming loop: what the same
     step costs where there is no GPU (information; the targets use (d))
 (e) the ceiling: (d)'s dataset read in this process, no DataLoader
-(r) (t) (x) (z) (d) with a preset after the crop: RandAugment (rand-m9-n2),
-    TrivialAugmentWide, AugMix (severity 3), Random Erasing (p=0.25); their
-    cost per image is the time over (d)'s, per worker
+(r) (t) (x) (z) (d) with a preset after the crop: RandAugment (magnitude 9,
+    2 ops), TrivialAugmentWide, AugMix (severity 3), Random Erasing (p=0.25);
+    their cost per image is the time over (d)'s, per worker
+
+and, in this process, what reading an item adds to decoding it:
+
+(j) the bare decoder: the library ``decode_tensor`` decodes JPEG with
+    (TorchCodec's ``decode_jpeg``), on the bytes of each record, read beforehand
+(i) ``LazyLMDBDataset(decode="tensor")[i]`` with no transform: the record
+    read, the header walked, the checks, the same decoder; the same records
+    in the same order as (j), in 8 x ``--rounds`` short paired rounds
 
 Every process computes with one thread, so the figures are per worker core.
 Warm-up (worker start, first epoch, page cache) is not timed; each timed pass
@@ -67,6 +75,10 @@ NAMES = {
     "t": "(d) + TrivialAugmentWide",
     "x": "(d) + AugMix severity 3",
     "z": "(d) + RandomErasing p=0.25",
+}
+DECODE_NAMES = {
+    "j": "bare decoder on the records' bytes",
+    "i": "LazyLMDBDataset decode=tensor [i], no transform",
 }
 PRESETS: dict[str, dict[str, Any]] = {
     "r": {"auto_augment": "rand", "magnitude": 9, "num_ops": 2},
@@ -162,6 +174,45 @@ def _inprocess_pass(dataset: Dataset[Any], n: int) -> tuple[int, float]:
     return n, time.perf_counter() - start
 
 
+def _decode_rounds(db: str, rounds: int) -> dict[str, list[float]]:
+    """(j) and (i) of the docstring, paired: img/s of each pass.
+
+    Each round draws 400 records at random, and both contenders take the same
+    ones in the same order, one after the other (which goes first alternates):
+    short, paired passes, so that the machine's drift hits both alike.
+    """
+    from ddpkit.data.images import tensor_decoders
+
+    dataset = LazyLMDBDataset(db)
+    decode = tensor_decoders()[1]["jpeg"]
+    records = [dataset._record(i)[0] for i in range(len(dataset))]
+    generator = torch.Generator().manual_seed(0)
+
+    def bare(order: list[int]) -> float:
+        encoded = [torch.frombuffer(records[i], dtype=torch.uint8) for i in order]
+        start = time.perf_counter()
+        for data in encoded:
+            decode(data)
+        return len(order) / (time.perf_counter() - start)
+
+    def item(order: list[int]) -> float:
+        start = time.perf_counter()
+        for i in order:
+            dataset[i]
+        return len(order) / (time.perf_counter() - start)
+
+    passes = {"j": bare, "i": item}
+    every = list(range(len(dataset)))
+    for run_pass in passes.values():  # warm-up: the page cache, the decoder's first calls
+        run_pass(every)
+    rates: dict[str, list[float]] = {k: [] for k in passes}
+    for r in range(rounds):
+        order = torch.randint(len(dataset), (400,), generator=generator).tolist()
+        for k in passes if r % 2 == 0 else list(passes)[::-1]:
+            rates[k].append(passes[k](order))
+    return rates
+
+
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     tree = photo_tree(args.images, args.classes)
@@ -172,6 +223,15 @@ def run(args: argparse.Namespace) -> None:
     folder2lmdb(tree, seed_db, workers=2)
     build_lmdb(tree, ddpkit_db, check="header", workers=2, progress=False, overwrite=True)
     _describe(tree, args)
+    decoding = _decode_rounds(ddpkit_db, 8 * args.rounds)
+    print(
+        f"  in this process, {8 * args.rounds} rounds: "
+        + "  ".join(f"({k}) {statistics.median(v):.0f}" for k, v in decoding.items()),
+        flush=True,
+    )
+    if args.decode_only:
+        _report({}, decoding, args)
+        return
 
     tensor_set = LazyLMDBDataset(ddpkit_db, train_transform(224))
     datasets: dict[str, Dataset[Any]] = {
@@ -204,7 +264,7 @@ def run(args: argparse.Namespace) -> None:
             )
         del loaders, passes
         gc.collect()  # shuts the persistent workers down before the next worker count
-    _report(rates, args)
+    _report(rates, decoding, args)
 
 
 def _describe(tree: Path, args: argparse.Namespace) -> None:
@@ -229,7 +289,34 @@ def _ratio(rates: dict[str, list[float]], top: str, bottom: str, scale: float = 
     return statistics.median(t * scale / b for t, b in zip(rates[top], rates[bottom], strict=True))
 
 
-def _report(rates: dict[int, dict[str, list[float]]], args: argparse.Namespace) -> None:
+def _report(
+    rates: dict[int, dict[str, list[float]]],
+    decoding: dict[str, list[float]],
+    args: argparse.Namespace,
+) -> None:
+    counts = list(rates)
+    if counts:
+        _report_loaders(rates, args)
+    print(f"\nin this process: img/s, median of {len(decoding['j'])} passes (min-max)")
+    for k, name in DECODE_NAMES.items():
+        v = decoding[k]
+        print(f"({k}) {name:46} {statistics.median(v):6.0f} ({min(v):.0f}-{max(v):.0f})")
+    each = sorted(i / j for i, j in zip(decoding["i"], decoding["j"], strict=True))
+    print(f"(i)/(j) per round, sorted: {', '.join(f'{r:.3f}' for r in each)}")
+
+    print("\ntargets")
+    _target("(i)/(j) >= 0.95: an item costs its decode", _ratio(decoding, "i", "j"), 0.95)
+    for w in counts:
+        _target(f"(d)/(a) >= 2.0, {w} worker(s)", _ratio(rates[w], "d", "a"), 2.0)
+    for w in counts:
+        _target(f"(c)/(a) >= 1.0, {w} worker(s)", _ratio(rates[w], "c", "a"), 1.0)
+    for w in counts:
+        _target(
+            f"(d) per worker >= 0.85 x (e), {w} worker(s)", _ratio(rates[w], "d", "e", 1 / w), 0.85
+        )
+
+
+def _report_loaders(rates: dict[int, dict[str, list[float]]], args: argparse.Namespace) -> None:
     counts = list(rates)
     print(f"\nimg/s, median of {args.rounds} passes (min-max)")
     print(f"{'contender':46}" + "".join(f"{f'{w} worker(s)':>22}" for w in counts))
@@ -265,16 +352,6 @@ def _report(rates: dict[int, dict[str, list[float]]], args: argparse.Namespace) 
             cells.append(f"{statistics.median(extra):.2f}")
         print(f"({k}) {NAMES[k]:42}" + "".join(f"{c:>22}" for c in cells))
 
-    print("\ntargets")
-    for w in counts:
-        _target(f"(d)/(a) >= 2.0, {w} worker(s)", _ratio(rates[w], "d", "a"), 2.0)
-    for w in counts:
-        _target(f"(c)/(a) >= 1.0, {w} worker(s)", _ratio(rates[w], "c", "a"), 1.0)
-    for w in counts:
-        _target(
-            f"(d) per worker >= 0.85 x (e), {w} worker(s)", _ratio(rates[w], "d", "e", 1 / w), 0.85
-        )
-
 
 def _target(what: str, value: float, low: float) -> None:
     print(f"  {what:44} {value:6.2f}  {'PASS' if value >= low else 'FAIL'}")
@@ -288,6 +365,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="(1 2)")
     parser.add_argument("--rounds", type=int, default=5, help="timed passes per contender (5)")
     parser.add_argument("--quick", action="store_true", help="300 images, 2 rounds: a smoke run")
+    parser.add_argument(
+        "--decode-only", action="store_true", help="only (i) against (j), in this process"
+    )
     args = parser.parse_args()
     if args.quick:
         args.images, args.rounds = min(args.images, 300), min(args.rounds, 2)

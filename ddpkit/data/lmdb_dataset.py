@@ -181,6 +181,8 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         )
 
     def _locate(self, index: int) -> tuple[int, int]:
+        if len(self._starts) == 2:  # one database: no search
+            return 0, index
         shard = bisect.bisect_right(self._starts, index) - 1
         return shard, index - self._starts[shard]
 

@@ -10,6 +10,7 @@ crops an uninterrupted one would.
 from __future__ import annotations
 
 import itertools
+import numbers
 import operator
 from collections.abc import Iterator, Sized
 from typing import Any
@@ -29,6 +30,26 @@ __all__ = [
 ]
 
 
+SEED_RANGE = (0, 2**63 - 1)  # torch.Generator.manual_seed(seed + epoch) must accept it
+
+
+def check_whole(name: str, value: Any, low: int | None, high: int | None = None) -> int:
+    """``value`` as an int, or a ValueError naming ``name``, the value and the range wanted.
+
+    A whole number is an int or a NumPy integer, never a bool or a float (``2.0``).
+    """
+    whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    number = int(value) if whole else None
+    if number is None or (low is not None and number < low) or (high is not None and number > high):
+        span = "" if low is None else f"{low}..{high}" if high is not None else f"{low} or more"
+        shown = repr(value) if len(repr(value)) <= 60 else f"{repr(value)[:57]}..."
+        raise ValueError(
+            f"{name} must be a whole number{', ' + span if span else ''}, got {shown} "
+            f"({type(value).__name__})"
+        )
+    return number
+
+
 class DistributedEvalSampler(Sampler[int]):
     """Give each rank a strided share of the dataset, every index exactly once.
 
@@ -45,7 +66,8 @@ class DistributedEvalSampler(Sampler[int]):
 
     Raises:
         ValueError: ``num_replicas`` is below 1, ``rank`` is outside
-            ``0..num_replicas - 1``, or the length is negative.
+            ``0..num_replicas - 1``, the length is negative, or one of them is
+            not a whole number (a bool or a float).
 
     Example:
         >>> sampler = DistributedEvalSampler(val_set)
@@ -60,11 +82,16 @@ class DistributedEvalSampler(Sampler[int]):
         rank: int | None = None,
     ) -> None:
         super().__init__()
-        n = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
-        self.num_replicas = comm.get_world_size() if num_replicas is None else num_replicas
-        self.rank = comm.get_rank() if rank is None else rank
+        if isinstance(dataset_or_len, Sized):
+            n = len(dataset_or_len)
+        else:
+            n = check_whole("the dataset length", dataset_or_len, None)
         if n < 0:
             raise ValueError(f"the dataset length must be >= 0, got {n}")
+        self.num_replicas = comm.get_world_size() if num_replicas is None else num_replicas
+        self.rank = comm.get_rank() if rank is None else rank
+        self.num_replicas = check_whole("num_replicas", self.num_replicas, None)
+        self.rank = check_whole("rank", self.rank, None)
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be at least 1, got {self.num_replicas}")
         if not 0 <= self.rank < self.num_replicas:
@@ -85,14 +112,21 @@ class DistributedEvalSampler(Sampler[int]):
 
 
 class EpochRandomSampler(RandomSampler):
-    """A RandomSampler whose order is a function of ``(seed, epoch)`` after set_epoch."""
+    """A RandomSampler whose order is a function of ``(seed, epoch)`` after set_epoch.
+
+    Raises:
+        ValueError: ``seed`` is not a whole number in 0..2**63-1, or (in
+            ``set_epoch``) an epoch that is not a whole number, 0 or more.
+    """
 
     def __init__(self, data_source: Sized, seed: int) -> None:
+        seed = check_whole("seed", seed, *SEED_RANGE)
         super().__init__(data_source, generator=torch.Generator().manual_seed(seed))
         self.seed = seed
 
     def set_epoch(self, epoch: int) -> None:
         assert self.generator is not None
+        epoch = check_whole("epoch", epoch, 0, SEED_RANGE[1] - self.seed)
         self.generator.manual_seed(self.seed + epoch)
 
 
@@ -128,9 +162,7 @@ class EpochIndexSampler(Sampler[tuple[int, ...]]):
 
         Only indices are skipped: no sample is read to skip it.
         """
-        if count < 0:
-            raise ValueError(f"count must be >= 0, got {count}")
-        self._skip = count
+        self._skip = check_whole("count", count, 0)
 
     def __iter__(self) -> Iterator[tuple[int, ...]]:
         if self._started and not self._epoch_given:

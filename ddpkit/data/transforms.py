@@ -65,7 +65,8 @@ def _check_presets(name: str | None, magnitude: int, num_ops: int, random_erase:
     ):
         raise ValueError(
             f"magnitude must be a whole number in {low}..{high} for auto_augment={name!r}, "
-            f"got {magnitude!r} (timm's rand-m9 is 9, augmix's severity 3). {where}"
+            f"got {magnitude!r} (rand: torchvision's m/30 of each op's strongest, timm's "
+            f"rand-m9 is about 27 here; augmix: severity out of 10, default 3). {where}"
         )
     if isinstance(num_ops, bool) or not isinstance(num_ops, int) or num_ops < 1:
         raise ValueError(f"num_ops must be a whole number, 1 or more, got {num_ops!r}. {where}")
@@ -209,10 +210,17 @@ def train_transform(
 
     Presets from ``torchvision.transforms.v2`` follow the crop, as in timm:
     ``auto_augment="rand"`` (RandAugment, ``num_ops`` ops of ``magnitude``
-    0..30, timm's ``rand-m9-n2``), ``"trivial"`` (TrivialAugmentWide),
-    ``"augmix"`` (AugMix of severity ``magnitude`` 1..10), then Random
-    Erasing with probability ``random_erase`` (zeros; after ``Normalize`` on
-    the PIL path). On the tensor path they take and give uint8.
+    0..30), ``"trivial"`` (TrivialAugmentWide), ``"augmix"`` (AugMix of
+    severity ``magnitude`` 1..10), then Random Erasing with probability
+    ``random_erase`` (zeros; after ``Normalize`` on the PIL path). On the
+    tensor path they take and give uint8.
+
+    ``magnitude`` is torchvision's scale, not timm's: RandAugment's 31 bins
+    make magnitude ``m`` ``m / 30`` of each op's strongest (``Rotate``: ``m``
+    degrees of 30), so the default 9 is 30 %. timm's ``rand-m9-n2`` is 9/10
+    of its strongest (27 degrees), about ``magnitude=27, num_ops=2`` here
+    (timm also applies each op with probability 0.5, and its ranges differ
+    a little per op).
 
     The crop box follows ``torchvision.transforms.RandomResizedCrop``'s
     distribution on both paths. Random draws come from torch's global RNG, which
@@ -233,7 +241,8 @@ def train_transform(
         mean: per-channel mean for ``Normalize``; used with ``decode="pil"`` only.
         std: per-channel standard deviation; used with ``decode="pil"`` only.
         auto_augment: None, ``"rand"``, ``"trivial"`` or ``"augmix"``.
-        magnitude: strength of ``"rand"`` (0..30) or severity of ``"augmix"`` (1..10).
+        magnitude: strength of ``"rand"``, 0..30 (``m / 30`` of each op's
+            strongest; timm's ``m9`` is about 27), or severity of ``"augmix"`` (1..10).
         num_ops: ops RandAugment applies to each image.
         random_erase: probability of erasing a random rectangle (0: never).
 

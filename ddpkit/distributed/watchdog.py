@@ -10,7 +10,8 @@ the ranks furthest behind (``heartbeat`` holds the two and their contract).
 This module owns the thread and the ending: every rank logs the stacks of all
 its threads and exits with ``HANG_EXIT_CODE`` (124) for a launcher to restart.
 Heartbeats go through the c10d store on the watchdog's own connection, never a
-collective (which can hang too), each call bounded by ``BoundedCalls``.
+collective (which can hang too), each call bounded by ``BoundedCalls``; each
+carries how many collectives its rank issued, as the hang report numbers them.
 """
 
 from __future__ import annotations
@@ -168,14 +169,24 @@ class HangWatchdog:
     def progress(self, step: int, phase: str) -> None:
         """Record that this rank reached ``phase`` of ``step``; cheap enough for every batch.
 
+        Every place is reported here, in the loop's order: the verdict orders
+        the ranks by it. Within one step number the steps come first
+        (``"done"``, a step's ``"save"``, ``"data"``, ``"compute"``), then, at
+        an epoch's end, ``"epoch_end"``, validation, ``"callbacks"``, the
+        epoch's ``"save"`` and ``"trackers"``; the next epoch's ``"data"`` at
+        the same step is after them all.
+
         Args:
             step: the optimizer step, counted over the run.
             phase: ``"data"`` (waiting for the training batch), ``"compute"``,
-                ``"done"`` (with the next step: one finished), ``"val_data"``
-                (waiting for a validation batch), ``"validate"``, ``"save"``, or
+                ``"done"`` (with the next step: one finished), ``"save"``,
+                ``"epoch_end"`` (after an epoch's last step: its totals),
+                ``"val_data"`` (waiting for a validation batch), ``"validate"``,
+                ``"callbacks"`` (the epoch's report and callbacks), or
                 ``"start_data"`` / ``"start_val_data"`` (a loader starting its
-                workers) or ``"end_data"`` / ``"end_val_data"`` (stopping them):
-                untimed.
+                workers), ``"end_data"`` / ``"end_val_data"`` (stopping them)
+                and ``"trackers"`` (the run's last records): untimed. Another
+                name stays in the part of the loop it is reported in.
 
         Example:
             >>> watchdog.progress(step + 1, "done")
@@ -200,8 +211,13 @@ class HangWatchdog:
             number = getattr(signal, self._signal)
             self._previous_handler = signal.signal(number, lambda *_: self._asked.set())
         self._heartbeat.rank = self._rank or 0
+        if is_dist_initialized() and self._world == get_world_size():
+            self._heartbeat.collectives = _collective_count()
         if self._base is not None and not self._rank:
-            self._judge = Judge(self._world or 1, self.timeout)
+            # A rank's heartbeat comes every interval, plus its store calls: past 2.5 of them
+            # without one it is stopped, frozen or lost.
+            silence = min(self.timeout, 2.5 * self.interval)
+            self._judge = Judge(self._world or 1, self.timeout, silence)
         self._thread = threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -235,12 +251,12 @@ class HangWatchdog:
         wait = 0.0  # the first heartbeat at once: it replaces an earlier run's
         while not self._stop.wait(wait):
             wait = self.interval
-            step, phase, stamp = self._heartbeat.last
+            step, phase, stamp, part = self._heartbeat.last
             if calls is not None and not lost:
                 calls.deadline = _monotonic() + _CALL_S
                 try:
                     store = calls(self._open) if store is None else store
-                    if self._exchange(store, calls, step, phase, stamp):
+                    if self._exchange(store, calls, step, phase, stamp, part):
                         return
                 except DeadlinePassed:
                     lost = f"no answer in {_CALL_S:g} s"
@@ -280,11 +296,11 @@ class HangWatchdog:
         return dist.PrefixStore(self._prefix, self._base.clone())
 
     def _exchange(
-        self, store: Any, calls: BoundedCalls, step: int, phase: str, stamp: float
+        self, store: Any, calls: BoundedCalls, step: int, phase: str, stamp: float, part: int
     ) -> bool:
         """One round: publish the heartbeat; obey the verdict or, on rank 0, judge. True: exited."""
         heartbeat, judge = self._heartbeat, self._judge
-        heartbeat.publish(store, calls, step, phase, stamp)
+        heartbeat.publish(store, calls, step, phase, stamp, part)
         verdict = heartbeat.verdict(store, calls)
         if verdict is not None:
             here = f"rank {self._rank} stops {where(step, phase)}"
@@ -402,6 +418,25 @@ class HangWatchdog:
         ending.set()
         atexit.unregister(hold)
         backstop.cancel()
+
+
+def _collective_count() -> Callable[[], int | None]:
+    """How many collectives this process issued on the default group so far; None: unknown.
+
+    The backend's own count (Gloo's and NCCL's: the flight recorder's ``#n`` in the hang
+    report), read by the watchdog's thread; a backend that keeps none gives 0 or None.
+    """
+    read = getattr(
+        dist.distributed_c10d._get_default_group(), "_get_sequence_number_for_group", None
+    )
+
+    def count() -> int | None:
+        try:
+            return None if read is None else int(read())
+        except Exception:  # a backend without the count: the verdict goes by places alone
+            return None
+
+    return count
 
 
 def _hold_exit(ending: threading.Event, limit: float, exit: Callable[[int], object]) -> None:

@@ -197,6 +197,10 @@ def train_epoch(
             position = Position(epoch, batch + 1, consumed, run.step, world, *run.data)
             _between_steps(run, position, last, totals.as_loop)
         progress.show(batch, last, totals)
+    # Up to the next epoch's first batch (the totals' all-reduce, then fit's validation, report,
+    # callbacks and checkpoint) the rank is at the epoch's end, which the watchdog orders after
+    # the epoch's steps and before the next epoch's, at one and the same step count.
+    run.tick("epoch_end")
     if batch >= part.done and (batch + 1) % config.grad_accum != 0 and part.total is None:
         # An unsized loader ended mid-accumulation: apply what was accumulated.
         run.optimizer.step()

@@ -377,6 +377,7 @@ def _finish_epoch(
             averaged = measure(run.ema.module, watched())
             keys = ("acc1", "acc5", "loss") if "val_acc5" in record else ("acc1", "loss")
             record.update({f"val_ema_{k}": averaged[k] for k in keys})
+    run.tick("callbacks")  # the report and the callbacks: the watchdog places them apart
     if run.scheduler is not None and not run.per_step:
         run.scheduler.step()
     record["wall_seconds"] = time.perf_counter() - began

@@ -502,11 +502,49 @@ def test_a_raised_limit_is_honoured_by_build_verify_and_the_dataset(
         LazyLMDBDataset(tmp_path / "raw", max_pixels=0)
 
 
+def _segment(marker: int, payload: bytes) -> bytes:
+    return bytes((0xFF, marker)) + struct.pack(">H", len(payload) + 2) + payload
+
+
+def _exif(orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return exif.tobytes()
+
+
+XMP = b"http://ns.adobe.com/xap/1.0/\x00<x:xmpmeta xmlns:x='adobe:ns:meta/'/>"
+# APP1 (and other) segments in the orders cameras and editors write them: TorchCodec
+# reads the orientation of the first APP1 only, Pillow's info["exif"] the first EXIF.
+APP1_ORDERS: dict[str, Any] = {
+    "exif": lambda o: [_segment(0xE1, _exif(o))],
+    "xmp-exif": lambda o: [_segment(0xE1, XMP), _segment(0xE1, _exif(o))],
+    "exif-xmp": lambda o: [_segment(0xE1, _exif(o)), _segment(0xE1, XMP)],
+    "exif1-exif": lambda o: [_segment(0xE1, _exif(1)), _segment(0xE1, _exif(o))],
+    "exif-exif1": lambda o: [_segment(0xE1, _exif(o)), _segment(0xE1, _exif(1))],
+    "icc-exif": lambda o: [_segment(0xE2, b"ICC_PROFILE\x00\x01\x01"), _segment(0xE1, _exif(o))],
+    "comment-exif": lambda o: [_segment(0xFE, b"made by hand"), _segment(0xE1, _exif(o))],
+    "fill-exif": lambda o: [b"\xff\xff" + _segment(0xE1, _exif(o))[1:]],  # fill bytes first
+    "bare-tiff": lambda o: [_segment(0xE1, _exif(o)[6:])],  # no Exif identifier
+}
+
+
+def app1_orders(base: Image.Image) -> dict[str, bytes]:
+    """``base`` as one JPEG, with each order of :data:`APP1_ORDERS` inserted after SOI
+    for every orientation: the compressed data, so the stored pixels, are the same."""
+    plain = encode(base, "JPEG", quality=90)
+    return {
+        f"app1-{order}-{o}": plain[:2] + b"".join(segments(o)) + plain[2:]
+        for order, segments in APP1_ORDERS.items()
+        for o in range(1, 9)
+    } | {"app1-none": plain}
+
+
 def decoder_corpus() -> dict[str, bytes]:
     """The damaged corpus, with what TorchCodec reads differently from torchvision:
-    every EXIF orientation, animated WebP, CMYK, gray, alpha."""
+    every EXIF orientation, APP1 segments in every order, animated WebP, CMYK, gray, alpha."""
     cases = corpus()
     base = photo(0, (96, 72)).convert("RGB")
+    cases.update(app1_orders(base))
     for orientation in range(10):  # 0 and 9 are not orientations: ignored
         exif = Image.Exif()
         exif[0x0112] = orientation
@@ -566,4 +604,24 @@ def test_torchcodec_decodes_every_image_as_torchvision_did(
             assert new[name] == old[name], name  # the same error, named alike
     for orientation in range(10):  # stored pixels, as decode_pil and ImageFolder see them
         assert new[f"exif{orientation}-jpeg"].shape == (3, 72, 96), orientation
+        assert torch.equal(new[f"exif{orientation}-webp"], new["exif1-webp"]), orientation
+
+
+def test_every_app1_segment_order_decodes_to_the_stored_pixels(
+    corpus_results: dict[str, Any],
+) -> None:
+    # The same compressed data under any APP1 segments: the same pixels from every
+    # decoder, whichever segment holds the orientation and whatever precedes it.
+    import torch
+
+    new = corpus_results["by_library"]["torchcodec"]
+    stored = new["app1-none"]
+    assert isinstance(stored, torch.Tensor)
+    assert stored.shape == (3, 72, 96)
+    names = [n for n in new if n.startswith("app1-") and n != "app1-none"]
+    assert len(names) == 8 * len(APP1_ORDERS)
+    for name in names:
+        assert isinstance(new[name], torch.Tensor), (name, new[name])
+        assert torch.equal(new[name], stored), name
+    assert "app1-xmp-exif-3" in names  # the order TorchCodec alone left unrotated
     assert new["animated-WEBP-lossless"].shape == (3, 72, 96)

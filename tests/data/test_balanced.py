@@ -182,3 +182,32 @@ def test_num_samples_sets_the_epoch_length() -> None:
     loader = build_loader(Labelled(TARGETS), batch_size=10, train=True, workers=0,
                           info=info(0, 2), balance=1.0, num_samples=100, repeats=2)  # fmt: skip
     assert len(loader) == 100 * 2 // 2 // 10
+
+
+@pytest.mark.parametrize("n", [1, 37, 5000])
+def test_up_to_2_24_samples_an_epoch_is_torch_multinomial_of_seed_plus_epoch(n: int) -> None:
+    # The draws of a dataset torch.multinomial takes are what they always were: a
+    # resumed run, and one checked against an earlier one, stay bit-exact.
+    weights = torch.rand(n, generator=torch.Generator().manual_seed(n)) + 0.01
+    sampler = WeightedDistributedSampler(weights, 3 * n, repeats=2, num_replicas=2, rank=0, seed=6)
+    normalised = (weights.double() / weights.double().sum()).float()
+    for epoch in (0, 4):
+        generator = torch.Generator().manual_seed(6 + epoch)
+        expected = torch.multinomial(normalised, 3 * n, replacement=True, generator=generator)
+        assert torch.equal(sampler.order(epoch), expected.repeat_interleave(2))
+
+
+@pytest.mark.parametrize(
+    ("world", "rank", "drop_last"), [(1, 0, True), (3, 2, False), (7, 4, True)]
+)
+def test_a_share_longer_than_one_chunk_is_the_ranks_strided_positions(
+    world: int, rank: int, drop_last: bool
+) -> None:
+    sampler = WeightedDistributedSampler(
+        150_001, 200_003, repeats=2, num_replicas=world, rank=rank, seed=9, drop_last=drop_last
+    )
+    order = sampler.order(0).tolist()
+    got = list(sampler)
+    assert len(got) == len(sampler)
+    positions = range(rank, len(sampler) * world, world)
+    assert got == [(order[p % sampler.total], p) for p in positions]

@@ -101,3 +101,79 @@ def test_torchcodec_decodes_where_it_loads_and_torchvision_only_with_an_older_to
         assert images.tensor_decoders()[0] == "torchvision"
     finally:
         images.tensor_decoders.cache_clear()
+
+
+def _with_exif(data: bytes, orientation: int) -> bytes:
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    payload = exif.tobytes()
+    return data[:2] + b"\xff\xe1" + (len(payload) + 2).to_bytes(2, "big") + payload + data[2:]
+
+
+def test_an_ordinary_jpeg_decodes_without_pillow_reading_its_header(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Pillow's header parse cost a sixth of a photo: the markers are walked instead.
+    from ddpkit.data import images
+
+    def no_pillow(raw: object) -> None:
+        raise AssertionError("Pillow read the header of an ordinary JPEG")
+
+    jpeg = encode(photo(3), quality=90)
+    expected = decode_tensor(jpeg)
+    monkeypatch.setattr(images, "_open", no_pillow)
+    assert torch.equal(decode_tensor(jpeg), expected)
+    assert torch.equal(decode_tensor(_with_exif(jpeg, 6)), expected)  # the stored pixels
+    with pytest.raises(images.ImageTooLargeError, match="over the limit of 100"):
+        decode_tensor(jpeg, max_pixels=100)  # the size from the frame header
+
+
+@pytest.mark.parametrize("orientation", [1, 2, 3, 6, 8])
+def test_the_callers_bytes_are_never_changed(orientation: int) -> None:
+    data = bytearray(_with_exif(encode(photo(3), quality=90), orientation))
+    before = bytes(data)
+    decode_tensor(data)
+    assert data == before
+    assert check_image(data, "decode") is None
+    assert data == before
+
+
+def _unusual_headers() -> list[bytes]:
+    jpeg = encode(photo(3, (40, 30)), quality=90)
+    frame = jpeg.index(b"\xff\xc0")
+    length = int.from_bytes(jpeg[frame + 2 : frame + 4], "big")
+    twice = (
+        jpeg[: frame + 2 + length] + jpeg[frame : frame + 2 + length] + jpeg[frame + 2 + length :]
+    )
+    no_height = bytearray(jpeg)
+    no_height[frame + 5 : frame + 7] = b"\x00\x00"  # the height a DNL marker would give
+    twelve_bit = bytearray(jpeg)
+    twelve_bit[frame + 4] = 12
+    return [twice, bytes(no_height), bytes(twelve_bit), jpeg[: frame + 6]]
+
+
+def _unusual_verdicts(rank: int, world_size: int) -> list[tuple[bool, bool]]:
+    out = []
+    for data in _unusual_headers():
+        try:
+            decode_tensor(data)
+            decoded = True
+        except Exception:
+            decoded = False
+        out.append((check_image(data, "decode") is None, decoded))
+    return out
+
+
+def test_unusual_jpeg_headers_are_read_by_pillow() -> None:
+    from ddpkit.data import images
+
+    assert images._jpeg_header(encode(photo(3, (40, 30))))[0] == (40, 30)
+    for unusual in _unusual_headers():
+        assert images._jpeg_header(unusual)[0] is None
+    # Each still gets a verdict (in a child: a decoder may crash), the checker's.
+    verdicts = run_distributed(_unusual_verdicts, 1, init=None, timeout=120)[0]
+    assert len(verdicts) == 4
+    for checked, decoded in verdicts:
+        assert checked == decoded

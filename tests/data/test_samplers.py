@@ -178,3 +178,14 @@ def test_training_loader_dataset_reads_like_the_dataset_it_wraps() -> None:
     assert torch.equal(torch.rand(2), expected)  # the caller's RNGs are left alone
     with pytest.raises(TypeError, match="takes an int index"):
         dataset[1:3]
+
+
+def test_eval_sampler_takes_numpy_counts_and_refuses_bools_and_floats() -> None:
+    sampler = DistributedEvalSampler(np.int64(5), num_replicas=np.int64(2), rank=np.int64(1))  # type: ignore[arg-type]
+    assert list(sampler) == [1, 3]
+    assert isinstance(sampler.rank, int)
+    for given in ({"dataset_or_len": True}, {"dataset_or_len": 5.0}, {"num_replicas": 2.0},
+                  {"rank": True}):  # fmt: skip
+        arguments = {"dataset_or_len": 5, "num_replicas": 2, "rank": 0, **given}
+        with pytest.raises(ValueError, match=r"must be a whole number, got (True|5\.0|2\.0)"):
+            DistributedEvalSampler(**arguments)

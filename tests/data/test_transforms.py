@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 from sklearn.datasets import load_sample_images  # type: ignore[import-untyped]
+from timm.data.auto_augment import rand_augment_transform
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as tvf
 
@@ -349,3 +350,40 @@ def test_presets_survive_pickling_and_bad_strengths_are_refused() -> None:
         train_transform(auto_augment="rand", num_ops=0)
     with pytest.raises(ValueError, match=r"random_erase is a probability in 0\.\.1, got 1.5"):
         train_transform(random_erase=1.5)
+
+
+def _rotations(magnitude: int, angles: tuple[float, ...]) -> dict[float, int]:
+    """How often RandAugment (one op) at ``magnitude`` rotated a test image by each angle."""
+    image = torch.randint(0, 256, (3, 32, 32), generator=torch.Generator().manual_seed(0),
+                          dtype=torch.uint8)  # fmt: skip
+    # The whole image as the crop: only RandAugment changes it.
+    transform = train_transform(32, scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip=False,
+                                auto_augment="rand", magnitude=magnitude, num_ops=1)  # fmt: skip
+    rotated = {a: tvf.rotate(image, a, interpolation=v2.InterpolationMode.NEAREST) for a in angles}
+    seen = dict.fromkeys(angles, 0)
+    for seed in range(300):
+        with seeded(seed):
+            out = transform(image)
+        for angle, expected in rotated.items():
+            seen[angle] += int(torch.equal(out, expected))
+    return seen
+
+
+def test_rand_magnitude_is_torchvisions_m_over_30_and_timms_m9_is_about_27() -> None:
+    # What the docstring says: magnitude m is m/30 of each op's strongest (Rotate: m
+    # degrees of 30); the default 9 rotates by 9 degrees, timm's rand-m9 by 27.
+    seen = _rotations(9, (9.0, -9.0, 27.0, -27.0, 2.7, -2.7))
+    assert seen[9.0] > 0
+    assert seen[-9.0] > 0
+    assert seen[27.0] == seen[-27.0] == seen[2.7] == seen[-2.7] == 0
+    seen = _rotations(27, (27.0, -27.0, 9.0))
+    assert seen[27.0] > 0
+    assert seen[-27.0] > 0
+    assert seen[9.0] == 0
+    timm = rand_augment_transform("rand-m9-n2", {})
+    rotate = next(op for op in timm.ops if op.name == "Rotate")
+    assert abs(rotate.level_fn(rotate.magnitude, rotate.hparams)[0]) == 27.0
+    assert "m / 30" in (train_transform.__doc__ or "")
+    assert "about ``magnitude=27, num_ops=2``" in (train_transform.__doc__ or "")
+    with pytest.raises(ValueError, match="timm's rand-m9 is about 27 here"):
+        train_transform(auto_augment="rand", magnitude=31)

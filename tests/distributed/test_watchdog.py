@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from train_jobs import slow_workers_run
 from warm import WarmProcess, warm_popen  # type: ignore[import-not-found]
@@ -353,3 +354,60 @@ def test_a_rank_whose_validation_data_hangs_is_still_caught_and_named() -> None:
     # Each rank's last word (its exit note) holds rank 0's verdict, which names rank 1.
     verdict = "rank(s) 1 stopped at step 2 (waiting for validation data); the others wait "
     assert verdict + "for them: rank(s) 0 at step 2 (in validation)" in str(caught.value)
+
+
+def _fit_with_a_callback_that_hangs_on_rank_1(rank: int, world_size: int, directory: str) -> None:
+    """fit() with the watchdog and checkpoints; rank 1's callback never returns after epoch 1."""
+    from ddpkit import CheckpointManager, DistInfo, FaultConfig, build_loader, fit, wrap_ddp
+    from ddpkit.training.config import ReportConfig, TrainConfig
+
+    torch.manual_seed(0)
+    info = DistInfo(rank, rank, world_size, world_size, 0, torch.device("cpu"), "gloo", True)
+    model = wrap_ddp(torch.nn.Linear(8, 3), sync_bn=False)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    loader = build_loader(data, batch_size=4, train=True, workers=0, seed=1, info=info)
+
+    def upload(record: dict[str, object]) -> None:
+        if rank == 1:
+            threading.Event().wait()  # a callback that hangs: a stuck upload, a lock
+
+    fit(
+        model,
+        loader,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=torch.nn.CrossEntropyLoss(),
+        epochs=2,
+        checkpoints=CheckpointManager(os.path.join(directory, f"rank{rank}"), prefix="t"),
+        callbacks=[upload],
+        config=TrainConfig(normalize=None),
+        report=ReportConfig(progress=False),
+        faults=FaultConfig(hang_timeout=2.0, report_dir=directory),
+    )
+
+
+@pytest.mark.timeout(LIMIT_S)
+def test_a_rank_hanging_in_a_callback_at_the_epochs_end_is_named_as_the_report_names_it(
+    tmp_path: Path,
+) -> None:
+    # 8 steps an epoch; rank 1 hangs in a callback at its end, rank 0 waits in the save's
+    # collective. The verdict names rank 1, at step 8, and the collective it never entered:
+    # the one the hang report's FIRST DISAGREEMENT names.
+    with pytest.raises(RankFailedError, match=f"exited with code {HANG_EXIT_CODE}") as caught:
+        run_distributed(
+            _fit_with_a_callback_that_hangs_on_rank_1,
+            2,
+            args=(str(tmp_path),),
+            timeout=LIMIT_S - 10,
+            env={"TORCH_FR_BUFFER_SIZE": "2000"},  # the flight recorder, for the report
+        )
+    said = str(caught.value)
+    verdict = (
+        "rank(s) 1 stopped at step 8 (ending the epoch: its totals, report, callbacks); the "
+        "others wait for them: rank(s) 0 at step 8 (saving a checkpoint); rank(s) 1 never "
+        "entered collective #"
+    )
+    assert verdict in said, said
+    number = said.split(verdict, 1)[1].split(",", 1)[0]
+    report = (tmp_path / "hang-report.txt").read_text()
+    assert f"FIRST DISAGREEMENT: process group 0, collective #{number}:" in report, report
+    assert f"rank 1: never entered #{number}" in report, report
