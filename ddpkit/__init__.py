@@ -1,8 +1,11 @@
 """ddpkit: PyTorch DistributedDataParallel building blocks.
 
-The public API is the names in ``__all__``; everything else is internal. The
-names load on first use, so ``import ddpkit`` (and the ``ddpkit`` command)
-starts without importing torch.
+The public API is the names in ``__all__``: every name of the four parts'
+faces (``ddpkit.distributed``, ``ddpkit.data``, ``ddpkit.checkpoint``,
+``ddpkit.training``), :class:`Position` and ``__version__``; everything else is
+internal. A face lists each of its names once, and this module takes them all
+(``ddpkit._lazy``). The names load on first use, so ``import ddpkit`` (and the
+``ddpkit`` command) starts without importing torch.
 """
 
 from __future__ import annotations
@@ -11,227 +14,16 @@ from typing import TYPE_CHECKING
 
 from ddpkit import _graveyard
 from ddpkit._lazy import lazy_names
-from ddpkit._version import __version__
+from ddpkit._version import __version__ as __version__
 
 _graveyard.install()  # the modules of earlier releases still import, with a warning
 
-if TYPE_CHECKING:
-    from ddpkit.checkpoint import (
-        CheckpointError,
-        CheckpointManager,
-        load_checkpoint,
-        save_checkpoint,
-    )
-    from ddpkit.data import (
-        IMAGENET_MEAN,
-        IMAGENET_STD,
-        BuildSummary,
-        DistributedEvalSampler,
-        ImageError,
-        ImageTooLargeError,
-        LazyLMDBDataset,
-        LMDBFormatError,
-        WeightedDistributedSampler,
-        build_lmdb,
-        build_loader,
-        class_weights,
-        mixup_cutmix,
-        normalize_batch,
-        set_epoch,
-        train_transform,
-        val_transform,
-    )
-    from ddpkit.distributed import (
-        HANG_EXIT_CODE,
-        PREEMPTED_EXIT_CODE,
-        DistInfo,
-        NetworkConfigError,
-        NetworkPlan,
-        Preempted,
-        Rank0Error,
-        RankFailedError,
-        RendezvousError,
-        all_gather_object,
-        all_reduce_sum,
-        barrier,
-        configure_network,
-        get_local_rank,
-        get_rank,
-        get_world_size,
-        init_distributed,
-        is_main_process,
-        no_sync,
-        plan_network,
-        rank0_first,
-        rank0_only,
-        shutdown,
-        spawn,
-        unwrap_model,
-        wrap_ddp,
-    )
-    from ddpkit.position import (
-        Position,
-    )
-    from ddpkit.training import (
-        FaultConfig,
-        FocalLoss,
-        History,
-        PretrainedReport,
-        ReportConfig,
-        TrackerError,
-        TrainConfig,
-        TrainingError,
-        evaluate,
-        fit,
-        freeze_backbone,
-        linear_scaled_lr,
-        load_pretrained,
-        model_ema,
-        warmup_schedule,
-    )
+if TYPE_CHECKING:  # the public names: every face's, each listed once (ddpkit._lazy)
+    from ddpkit.checkpoint import *  # noqa: F403
+    from ddpkit.data import *  # noqa: F403
+    from ddpkit.distributed import *  # noqa: F403
+    from ddpkit.position import Position as Position
+    from ddpkit.training import *  # noqa: F403
 
-
-__all__ = [
-    "HANG_EXIT_CODE",
-    "IMAGENET_MEAN",
-    "IMAGENET_STD",
-    "PREEMPTED_EXIT_CODE",
-    "BuildSummary",
-    "CheckpointError",
-    "CheckpointManager",
-    "DistInfo",
-    "DistributedEvalSampler",
-    "FaultConfig",
-    "FocalLoss",
-    "History",
-    "ImageError",
-    "ImageTooLargeError",
-    "LMDBFormatError",
-    "LazyLMDBDataset",
-    "NetworkConfigError",
-    "NetworkPlan",
-    "Position",
-    "Preempted",
-    "PretrainedReport",
-    "Rank0Error",
-    "RankFailedError",
-    "RendezvousError",
-    "ReportConfig",
-    "TrackerError",
-    "TrainConfig",
-    "TrainingError",
-    "WeightedDistributedSampler",
-    "__version__",
-    "all_gather_object",
-    "all_reduce_sum",
-    "barrier",
-    "build_lmdb",
-    "build_loader",
-    "class_weights",
-    "configure_network",
-    "evaluate",
-    "fit",
-    "freeze_backbone",
-    "get_local_rank",
-    "get_rank",
-    "get_world_size",
-    "init_distributed",
-    "is_main_process",
-    "linear_scaled_lr",
-    "load_checkpoint",
-    "load_pretrained",
-    "mixup_cutmix",
-    "model_ema",
-    "no_sync",
-    "normalize_batch",
-    "plan_network",
-    "rank0_first",
-    "rank0_only",
-    "save_checkpoint",
-    "set_epoch",
-    "shutdown",
-    "spawn",
-    "train_transform",
-    "unwrap_model",
-    "val_transform",
-    "warmup_schedule",
-    "wrap_ddp",
-]
-
-# The public faces that hold each name.
-__getattr__, __dir__ = lazy_names(
-    __name__,
-    {
-        "ddpkit.checkpoint": (
-            "CheckpointError",
-            "CheckpointManager",
-            "load_checkpoint",
-            "save_checkpoint",
-        ),
-        "ddpkit.data": (
-            "IMAGENET_MEAN",
-            "IMAGENET_STD",
-            "BuildSummary",
-            "DistributedEvalSampler",
-            "ImageError",
-            "ImageTooLargeError",
-            "LMDBFormatError",
-            "LazyLMDBDataset",
-            "build_lmdb",
-            "build_loader",
-            "WeightedDistributedSampler",
-            "class_weights",
-            "mixup_cutmix",
-            "normalize_batch",
-            "set_epoch",
-            "train_transform",
-            "val_transform",
-        ),
-        "ddpkit.distributed": (
-            "HANG_EXIT_CODE",
-            "PREEMPTED_EXIT_CODE",
-            "DistInfo",
-            "NetworkConfigError",
-            "NetworkPlan",
-            "Preempted",
-            "Rank0Error",
-            "RankFailedError",
-            "RendezvousError",
-            "all_gather_object",
-            "all_reduce_sum",
-            "barrier",
-            "configure_network",
-            "get_local_rank",
-            "get_rank",
-            "get_world_size",
-            "init_distributed",
-            "is_main_process",
-            "no_sync",
-            "plan_network",
-            "rank0_first",
-            "rank0_only",
-            "shutdown",
-            "spawn",
-            "unwrap_model",
-            "wrap_ddp",
-        ),
-        "ddpkit.position": ("Position",),
-        "ddpkit.training": (
-            "FaultConfig",
-            "FocalLoss",
-            "History",
-            "PretrainedReport",
-            "ReportConfig",
-            "TrackerError",
-            "TrainConfig",
-            "TrainingError",
-            "evaluate",
-            "fit",
-            "freeze_backbone",
-            "linear_scaled_lr",
-            "load_pretrained",
-            "model_ema",
-            "warmup_schedule",
-        ),
-    },
-)
+if not TYPE_CHECKING:  # see ddpkit._lazy: mypy must not see an __all__ it cannot read
+    __getattr__, __dir__, __all__ = lazy_names(__name__, __file__)

@@ -77,7 +77,12 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "ddpkit.spawning": ("ddpkit.distributed.spawning",),
     "ddpkit.watchdog": ("ddpkit.distributed.watchdog",),
     "ddpkit.checkpoint_files": ("ddpkit.checkpoint.files",),
-    "ddpkit.checkpoint_sync": ("ddpkit.checkpoint.sync",),
+    "ddpkit.checkpoint_sync": (
+        "ddpkit.checkpoint.sync",
+        "ddpkit.checkpoint.restore",
+        "ddpkit.checkpoint.outcomes",
+        "ddpkit.checkpoint.state",
+    ),
     "ddpkit.serialization": ("ddpkit.checkpoint.serialization",),
     "ddpkit.snapshot": ("ddpkit.checkpoint.background",),
     "ddpkit.transfer": ("ddpkit.checkpoint.transfer",),

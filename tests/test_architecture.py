@@ -2,7 +2,11 @@
 
 Four packages with a public face each, and rules between them: ``distributed``
 imports no other part, ``data`` only ``distributed``, ``checkpoint`` only
-``distributed``, ``training`` any; the shared leaves at the top import no part.
+``distributed``, ``training`` any; the shared leaves at the top import no part,
+and neither imports what composes the parts (the package, the command line, the
+test harness). An import counts wherever it is (a function, ``if
+TYPE_CHECKING:``), and so does a module's path written as a string (a preload
+list); no two modules import each other.
 Every module is listed in docs/architecture.md and states its one concern in
 its first line; the tests mirror the modules; one module reads the launcher's
 variables; no module reaches into another's private names; nothing is kept
@@ -45,8 +49,12 @@ TOP = {
     "rng",
     "testing",
 }
-# The top-level modules that may import the parts: the command line and the test harness.
-TOP_USERS = {"ddpkit", "__main__", "cli", "testing"}
+# The top-level modules that may import the parts: the command line and the test harness,
+# and the graveyard, which imports a part's module when a name of an earlier release is read.
+TOP_USERS = {"ddpkit", "__main__", "cli", "testing", "_graveyard"}
+# The modules above the parts, which no part or shared leaf imports or names (the graveyard
+# is not: every part may warn through its deprecation helper).
+ABOVE_THE_PARTS = TOP_USERS - {"_graveyard"}
 # Packages beside the parts that compose them all (the shipped example).
 USERS = {"examples"}
 
@@ -88,20 +96,69 @@ def _part(module: str) -> str:
     return head if head in PARTS or head in USERS else "top"
 
 
-def _imports(name: str) -> set[str]:
-    """The ddpkit modules ``name`` imports, anywhere in the file (functions too)."""
-    found: set[str] = set()
+def _imported(node: ast.AST) -> set[str]:
+    """The ddpkit modules an import statement loads (none for another statement)."""
     known = _modules()
-    for node in ast.walk(_tree(name)):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ddpkit"):
-            base = node.module.removeprefix("ddpkit").removeprefix(".") or "ddpkit"
-            found.add(base)
-            # from ddpkit.distributed import comm: a module, not a name of the face
-            found |= {f"{base}.{a.name}".removeprefix("ddpkit.") for a in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {a.name.removeprefix("ddpkit.") for a in node.names if a.name != "ddpkit"}
-    found.discard(name)
-    return {f for f in found if f in known}
+    found: set[str] = set()
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddpkit"):
+        base = _short(node.module or "")
+        # from ddpkit.distributed import comm: the module comm, not a name of the face
+        submodules = {_short(f"{node.module}.{a.name}") for a in node.names} & set(known)
+        found = submodules if len(submodules) == len(node.names) else {*submodules, base}
+    elif isinstance(node, ast.Import):
+        found = {_short(a.name) for a in node.names if a.name.split(".")[0] == "ddpkit"}
+    return found & set(known)
+
+
+def _short(module: str) -> str:
+    """``ddpkit.data.loaders`` -> ``data.loaders`` (the names of :func:`_modules`)."""
+    return module if module == "ddpkit" else module.removeprefix("ddpkit.")
+
+
+def _imports(tree: ast.AST) -> set[str]:
+    """The ddpkit modules a file imports, anywhere in it (functions, TYPE_CHECKING too)."""
+    return set().union(*(_imported(node) for node in ast.walk(tree)))
+
+
+_MODULE_PATH = re.compile(r"ddpkit(\.\w+)+")
+
+
+def _named(tree: ast.AST) -> set[str]:
+    """The ddpkit modules a file names in a string: a path in a preload list, say."""
+    known = _modules()
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and _MODULE_PATH.fullmatch(str(node.value)):
+            # ddpkit.training.loop.fit names the module ddpkit.training.loop; a path
+            # that is no module of ours (a logger's name, a former module) names none
+            parts = _short(node.value).split(".")
+            paths = (".".join(parts[:n]) for n in range(len(parts), 0, -1))
+            found |= {next(p for p in paths if p in known)} if parts[0] in known else set()
+    return found
+
+
+def _references(name: str) -> set[str]:
+    """The ddpkit modules ``name`` imports or names: what the layer rules judge."""
+    return (_imports(_tree(name)) | _named(_tree(name))) - {name}
+
+
+def _module_level(tree: ast.Module) -> list[ast.stmt]:
+    """The statements that run on import: the body, and the bodies of its ``if`` and ``try``.
+
+    ``if TYPE_CHECKING:`` among them: a type checker follows those imports as
+    Python follows the others.
+    """
+    found: list[ast.stmt] = []
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        found.append(node)
+        if isinstance(node, ast.If):
+            pending += [*node.body, *node.orelse]
+        elif isinstance(node, ast.Try):
+            pending += [*node.body, *node.orelse, *node.finalbody]
+            pending += [s for handler in node.handlers for s in handler.body]
+    return found
 
 
 def test_the_parts_are_packages_with_a_public_face() -> None:
@@ -111,11 +168,10 @@ def test_the_parts_are_packages_with_a_public_face() -> None:
         tree = ast.parse(face.read_text(encoding="utf-8"))
         doc = ast.get_docstring(tree) or ""
         assert len(doc.splitlines()) >= 5, f"ddpkit/{part}/__init__.py: no usage guide"
-        exported = next(
-            (n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "__all__"),  # type: ignore[attr-defined]
-            None,
-        )
-        assert exported is not None, f"ddpkit/{part}/__init__.py has no __all__"
+        # The public names: listed in the TYPE_CHECKING block, exported by ddpkit._lazy.
+        source = ast.unparse(tree)
+        assert "if TYPE_CHECKING:\n    from " in source, f"ddpkit/{part}/__init__.py lists no names"
+        assert "__all__ = lazy_names(__name__, __file__)" in source, f"ddpkit/{part}: no __all__"
 
 
 def test_only_a_handful_of_modules_stay_at_the_top() -> None:
@@ -126,27 +182,41 @@ def test_only_a_handful_of_modules_stay_at_the_top() -> None:
 @pytest.mark.parametrize("name", sorted(_modules()))
 def test_imports_follow_the_layer_rules(name: str) -> None:
     part = _part(name)
-    imported = {_part(m) for m in _imports(name)} - {part, "top"}
     if part in USERS:
         return
+    referenced = _references(name)
+    imported = {_part(m) for m in referenced} - {part, "top"}
     top = set(PARTS) if name in TOP_USERS else set()
     allowed = top if part == "top" else ALLOWED[part]
-    assert imported <= allowed, f"{name} ({part}) imports {sorted(imported - allowed)}"
+    assert imported <= allowed, f"{name} ({part}) imports or names {sorted(imported - allowed)}"
+    if name not in TOP_USERS:
+        above = sorted(referenced & ABOVE_THE_PARTS)
+        assert above == [], f"{name} ({part}) imports or names {above}, which compose the parts"
+
+
+def test_the_layer_rules_see_every_kind_of_reference() -> None:
+    # Imports under TYPE_CHECKING and in functions, and module paths in strings.
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from ddpkit.checkpoint.state import TrainingState\n"
+        "def f():\n"
+        "    import ddpkit.training.loop\n"
+        "PRELOAD = ('torch', 'ddpkit.testing', 'ddpkit.data', 'ddpkit.training.loop.fit')\n"
+        "LOGGER = 'ddpkit.no_module_of_ours'\n"
+        '"""Text that mentions ddpkit.cli in a sentence is no reference."""\n'
+    )
+    assert _imports(tree) == {"checkpoint.state", "training.loop"}
+    assert _named(tree) == {"testing", "data", "training.loop"}
 
 
 def test_no_import_cycles_between_modules() -> None:
-    # Module-level imports only: an import inside a function runs later, on purpose.
+    # The imports that run on import, and TYPE_CHECKING's, which a type checker runs
+    # alike; an import inside a function runs later, on purpose.
     graph: dict[str, set[str]] = {}
-    known = _modules()
-    for name in known:
-        edges: set[str] = set()
-        for node in _tree(name).body:
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddpkit."):
-                base = node.module.removeprefix("ddpkit.")  # type: ignore[union-attr]
-                submodules = {f"{base}.{a.name}" for a in node.names} & set(known)
-                # from ddpkit.distributed import devices needs the module, not the face
-                edges |= submodules if len(submodules) == len(node.names) else {base}
-        graph[name] = {e for e in edges if e in known and e != name}
+    for name in _modules():
+        edges = set().union(*(_imported(n) for n in _module_level(_tree(name))))
+        graph[name] = edges - {name}
     state: dict[str, int] = {}
 
     def visit(node: str, path: list[str]) -> None:
@@ -161,6 +231,16 @@ def test_no_import_cycles_between_modules() -> None:
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
+
+
+def test_no_two_modules_import_each_other() -> None:
+    # Wherever the import is: one under TYPE_CHECKING or in a function hides the pair
+    # from Python, not from the reader; two modules that need each other are one concern.
+    imports = {name: _imports(_tree(name)) - {name} for name in _modules()}
+    pairs = sorted(
+        f"{a} <-> {b}" for a, needs in imports.items() for b in needs if a < b and a in imports[b]
+    )
+    assert pairs == []
 
 
 def _listed_files() -> set[str]:

@@ -1,4 +1,9 @@
-"""The public API: every exported name resolves, and importing ddpkit stays light."""
+"""The public API: each name listed once, every exported name resolves, importing stays light.
+
+Each part's face lists its names once, in its ``if TYPE_CHECKING:`` block, and
+the top level takes every face's (``ddpkit._lazy``); then the 0.1.0 names and
+every moved path, served by the graveyard.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import importlib.util
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -15,49 +21,150 @@ import pytest
 
 import ddpkit
 from ddpkit import _graveyard
+from ddpkit._lazy import lazy_names
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 FACES = ("ddpkit", "ddpkit.data", "ddpkit.distributed", "ddpkit.checkpoint", "ddpkit.training")
+PARTS = FACES[1:]
+# The top level's own names besides the parts': bound at import, or from a shared leaf.
+TOP_ONLY = {"Position", "__version__"}
 
 
-def _static_imports(face: str) -> dict[str, str]:
-    """Name -> module of the face's ``if TYPE_CHECKING:`` imports (what type checkers see)."""
+def _tree(face: str) -> ast.Module:
     spec = importlib.util.find_spec(face)
     assert spec is not None
     assert spec.origin is not None
-    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    return ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+
+
+def _listing(face: str) -> list[ast.ImportFrom]:
+    """The imports of the face's ``if TYPE_CHECKING:`` block: its one list of its names."""
     guarded = [
-        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+        n
+        for n in _tree(face).body
+        if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
     ]
-    return {
-        alias.name: node.module
-        for block in guarded
-        for node in block.body
-        if isinstance(node, ast.ImportFrom) and node.module
-        for alias in node.names
-    }
+    assert len(guarded) == 1, f"{face}: one TYPE_CHECKING block lists the names"
+    assert all(isinstance(n, ast.ImportFrom) for n in guarded[0].body), face
+    return [n for n in guarded[0].body if isinstance(n, ast.ImportFrom)]
+
+
+def _static_names(face: str) -> dict[str, str]:
+    """Name -> module, as type checkers read the listing (a star import: that face's names)."""
+    names: dict[str, str] = {}
+    for node in _listing(face):
+        assert node.module is not None
+        for alias in node.names:
+            names |= _static_names(node.module) if alias.name == "*" else {alias.name: node.module}
+    return names
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_each_face_lists_its_names_once_in_the_form_type_checkers_read(face: str) -> None:
+    tree = _tree(face)
+    for node in _listing(face):
+        for alias in node.names:
+            # mypy --strict re-exports an import only with the redundant alias.
+            assert alias.name == "*" or alias.asname == alias.name, (
+                f"{face}: write `from {node.module} import {alias.name} as {alias.name}`"
+            )
+            if alias.name == "*":
+                assert face == "ddpkit", f"{face}: only the top level takes whole faces"
+                assert node.module in PARTS, node.module
+    # One list: no __all__ written out, and none that type checkers see (an __all__ mypy
+    # cannot read makes it export nothing; ddpkit._lazy).
+    visible = [
+        ast.unparse(n)
+        for n in tree.body
+        if isinstance(n, ast.Assign | ast.AnnAssign | ast.AugAssign) and "__all__" in ast.unparse(n)
+    ]
+    assert visible == [], f"{face}: __all__ is built by ddpkit._lazy under `if not TYPE_CHECKING`"
 
 
 @pytest.mark.parametrize("face", FACES)
 def test_every_exported_name_resolves_to_the_module_type_checkers_see(face: str) -> None:
     module = importlib.import_module(face)
-    static = _static_imports(face)
-    assert set(static) == set(module.__all__) - {"__version__"}, "__all__ and the imports differ"
+    static = _static_names(face)
+    bound = TOP_ONLY - set(static) if face == "ddpkit" else set()
+    assert set(module.__all__) == set(static) | bound, "__all__ and the listing differ"
     for name, home in static.items():
         assert getattr(module, name) is getattr(importlib.import_module(home), name), name
+    assert module.__all__ == sorted(set(module.__all__)), "sorted, each name once"
     assert set(module.__all__) <= set(dir(module))
+
+
+def test_the_top_level_holds_every_name_of_every_part() -> None:
+    names = {face: set(importlib.import_module(face).__all__) for face in PARTS}
+    counts = Counter(name for face in PARTS for name in names[face])
+    twice = sorted(name for name, count in counts.items() if count > 1)
+    assert twice == [], "names in two faces: the top level can hold only one of each"
+    assert set(ddpkit.__all__) == set().union(*names.values()) | TOP_ONLY
+    for face in PARTS:
+        for name in names[face]:
+            assert getattr(ddpkit, name) is getattr(importlib.import_module(face), name), name
+
+
+# Names of the parts' faces that reached the top level in 0.2 (CHANGELOG).
+_NEW_AT_THE_TOP = {
+    "HangStopped": "ddpkit.distributed",
+    "HangWatchdog": "ddpkit.distributed",
+    "SignalStopped": "ddpkit.distributed",
+    "SHAPE_CLASSES": "ddpkit.data",
+    "VerifyReport": "ddpkit.data",
+    "describe_lmdb": "ddpkit.data",
+    "make_shapes_dataset": "ddpkit.data",
+    "read_index": "ddpkit.data",
+    "verify_lmdb": "ddpkit.data",
+    "verify_report": "ddpkit.data",
+    "TrainingState": "ddpkit.checkpoint",
+}
+
+
+@pytest.mark.parametrize(("name", "face"), sorted(_NEW_AT_THE_TOP.items()))
+def test_the_names_new_at_the_top_are_their_faces_names(name: str, face: str) -> None:
+    assert name in ddpkit.__all__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert getattr(ddpkit, name) is getattr(importlib.import_module(face), name)
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_star_import_gives_the_public_names(face: str) -> None:
+    scope: dict[str, Any] = {}
+    exec(f"from {face} import *", scope)
+    assert set(scope) - {"__builtins__"} == set(importlib.import_module(face).__all__)
 
 
 @pytest.mark.parametrize("face", FACES)
 def test_importing_a_face_loads_no_torch(face: str) -> None:
     # The `ddpkit` command and a script's `from ddpkit.data import ...` line start fast;
-    # a name's module loads when the name is first read.
-    code = f"import sys, {face}; print(sorted(m for m in ('torch', 'lmdb') if m in sys.modules))"
+    # a name's module loads when the name is first read. Listing the names loads none.
+    code = (
+        f"import sys, {face} as face; assert face.__all__ and dir(face)\n"
+        "print(sorted(m for m in ('torch', 'lmdb') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[]"]
+
+
+def test_a_name_listed_twice_is_an_import_error(tmp_path: Path) -> None:
+    twice = tmp_path / "twice.py"
+    twice.write_text(
+        "if TYPE_CHECKING:\n"
+        "    from ddpkit.data.loaders import build_loader as build_loader\n"
+        "    from ddpkit.data.loaders import build_loader as build_loader\n"
+    )
+    with pytest.raises(ImportError, match="'build_loader' twice"):
+        lazy_names("twice", str(twice))
+    # Two faces that held one name would clash at the top level the same way.
+    twice.write_text(
+        "if TYPE_CHECKING:\n    from ddpkit.data import *\n    from ddpkit.data import *\n"
+    )
+    with pytest.raises(ImportError, match=r"twice \(from ddpkit\.data and ddpkit\.data\)"):
+        lazy_names("twice", str(twice))
 
 
 def test_unknown_attribute_is_an_attribute_error() -> None:

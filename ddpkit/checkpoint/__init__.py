@@ -31,28 +31,12 @@ from typing import TYPE_CHECKING
 
 from ddpkit._lazy import lazy_names
 
-if TYPE_CHECKING:
-    from ddpkit.checkpoint.manager import CheckpointManager
-    from ddpkit.checkpoint.serialization import CheckpointError, load_checkpoint, save_checkpoint
-    from ddpkit.checkpoint.state import TrainingState
+if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
+    from ddpkit.checkpoint.manager import CheckpointManager as CheckpointManager
+    from ddpkit.checkpoint.serialization import CheckpointError as CheckpointError
+    from ddpkit.checkpoint.serialization import load_checkpoint as load_checkpoint
+    from ddpkit.checkpoint.serialization import save_checkpoint as save_checkpoint
+    from ddpkit.checkpoint.state import TrainingState as TrainingState
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointManager",
-    "TrainingState",
-    "load_checkpoint",
-    "save_checkpoint",
-]
-
-__getattr__, __dir__ = lazy_names(
-    __name__,
-    {
-        "ddpkit.checkpoint.manager": ("CheckpointManager",),
-        "ddpkit.checkpoint.serialization": (
-            "CheckpointError",
-            "load_checkpoint",
-            "save_checkpoint",
-        ),
-        "ddpkit.checkpoint.state": ("TrainingState",),
-    },
-)
+if not TYPE_CHECKING:  # see ddpkit._lazy: mypy must not see an __all__ it cannot read
+    __getattr__, __dir__, __all__ = lazy_names(__name__, __file__)

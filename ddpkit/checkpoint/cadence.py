@@ -1,12 +1,13 @@
 """How often a run takes a step checkpoint: every so many optimizer steps, or minutes.
 
-:class:`SaveCadence` is the whole rule. :class:`CheckpointManager` holds one
-(``manager.cadence``), and ``fit`` hands it to
-:class:`ddpkit.distributed.stops.StepControl`, the one place that decides,
-after each optimizer step, whether every rank saves: the step count is the
-same on every rank, so each decides it alone; the minutes are read on rank 0's
-clock and agreed through the store, so all ranks save after the same step.
-An epoch's end always saves, and a stop (a signal) saves ``interrupted.pth``.
+:class:`SaveCadence` is the whole rule, and :class:`CheckpointManager` applies
+it with its own clock (``manager.step_due(step)``, ``manager.time_due()``;
+the clock restarts at each save of any kind).
+:class:`ddpkit.distributed.stops.StepControl` asks the manager after each
+optimizer step, so every rank saves after the same one: the step count is the
+same on every rank, so each decides it alone; the minutes are read on rank
+0's clock and agreed through the store. An epoch's end always saves, and a
+stop (a signal) saves ``interrupted.pth``.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ to the ranks that lack it (``ddpkit.checkpoint.transfer``): no shared disk is ne
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,22 +27,19 @@ from ddpkit import _graveyard
 from ddpkit.checkpoint.background import BackgroundWriter, snapshot
 from ddpkit.checkpoint.cadence import SaveCadence
 from ddpkit.checkpoint.files import FORMAT, INTERRUPTED, LATEST, VERSION, step_name, write_files
+from ddpkit.checkpoint.outcomes import describe_error, raise_earlier_failure, share_outcome
+from ddpkit.checkpoint.restore import restore_state
 from ddpkit.checkpoint.serialization import MapLocation, check_saveable
 from ddpkit.checkpoint.state import TrainingState
-from ddpkit.checkpoint.sync import (
-    claim_directory,
-    describe_error,
-    load_newest,
-    next_generation,
-    raise_earlier_failure,
-    restore_state,
-    share_outcome,
-)
+from ddpkit.checkpoint.sync import claim_directory, load_newest, next_generation
 from ddpkit.distributed.comm import all_gather_object, get_local_rank, get_rank, get_world_size
 from ddpkit.position import Position
 from ddpkit.rng import capture_rng_state
 
-__all__ = ["CheckpointManager"]
+__all__ = ["KINDS", "CheckpointManager"]
+
+KINDS = ("epoch", "step", "interrupted")
+"""The kinds of checkpoint :meth:`CheckpointManager.checkpoint` writes."""
 
 logger = logging.getLogger("ddpkit")
 
@@ -60,49 +57,64 @@ class CheckpointManager:
     classic scripts write them (the last ``keep_last`` and the best); and
     ``best.pth``, a hard link to (or copy of) the best epoch's weights.
 
-    Rank 0 writes them; with ``on_each_node`` the first rank of every node
+    What a checkpoint holds is one :class:`~ddpkit.checkpoint.TrainingState`,
+    bound once (``state=`` or :meth:`bind`): the objects, the position, this
+    rank's running totals and ``extra``. Every save goes through
+    :meth:`checkpoint`, which records the bound state as it is; :meth:`save`
+    (an epoch's end) and :meth:`save_step` (a position in an epoch) set the
+    position first. The manager also owns when a step checkpoint is due
+    (``every_steps``, ``every_minutes``: :meth:`step_due`, :meth:`time_due`),
+    and its clock restarts at every save of any kind.
+
+    Rank 0 writes the files; with ``on_each_node`` the first rank of every node
     writes its own copy too, so a lost disk loses nothing. The directory may
     differ between nodes: :meth:`resume` finds the newest complete checkpoint
     any rank holds and sends it over the process group to those that lack it.
     A fresh run refuses a directory that holds another run's files, unless ``overwrite``.
 
-    :meth:`save`, :meth:`save_step` and :meth:`resume` are collectives: all
-    ranks must call them, or they deadlock. With plain DDP every rank holds
-    the same model and optimizer state; sharded optimizers are not supported.
+    :meth:`checkpoint`, :meth:`save`, :meth:`save_step` and :meth:`resume` are
+    collectives: all ranks must call them, or they deadlock. With plain DDP
+    every rank holds the same model and optimizer state; sharded optimizers
+    are not supported.
 
     Args:
         directory: where the files go; created by the first save.
         prefix: the start of the per-epoch weight files' names.
         keep_last: how many per-epoch weight files to keep, at least 1.
         keep_steps: how many step checkpoints to keep, at least 1.
-        every_steps: ``ddpkit.fit`` saves a step checkpoint every this many
-            optimizer steps; None: only at epoch ends.
-        every_minutes: ``ddpkit.fit`` also saves when this many minutes passed
-            since the last save; None: never by time. Both are held as
-            ``cadence`` (:class:`~ddpkit.checkpoint.cadence.SaveCadence`).
+        every_steps: a step checkpoint is due every this many optimizer
+            steps (:meth:`step_due`); None: only at epoch ends.
+        every_minutes: a step checkpoint is due when this many minutes passed
+            since the last save (:meth:`time_due`); None: never by time. Both
+            are held as ``cadence`` (:class:`~ddpkit.checkpoint.cadence.SaveCadence`).
         on_each_node: the first rank of each node writes its own copy.
         overwrite: a fresh run deletes another run's files in ``directory``; False: refuse.
-        extra: stored in every checkpoint (under a save's own ``extra``), e.g. the
-            architecture; :meth:`resume` refuses, before loading, a checkpoint
-            whose ``extra`` holds another value for one of these keys.
+        extra: stored in every checkpoint (under the state's and a save's own
+            ``extra``), e.g. the architecture; :meth:`resume` refuses, before
+            loading, a checkpoint whose ``extra`` holds another value for one
+            of these keys.
+        state: the training state, bound now (see :meth:`bind`).
         network: the former name of ``prefix`` (deprecated).
 
     Attributes:
-        cadence: when ``fit`` takes a step checkpoint (``every_steps``, ``every_minutes``).
+        state: the bound :class:`~ddpkit.checkpoint.TrainingState`, or None.
+        cadence: the rule :meth:`step_due` and :meth:`time_due` apply.
         best_acc1: the best ``acc1`` saved so far (restored by :meth:`resume`), or None.
         position: where the resumed checkpoint stood (:meth:`resume`), or None.
         resumed_from: the file :meth:`resume` loaded (on the rank that read it), or None.
-        loop: what the training loop stored with the resumed checkpoint, one entry per rank.
+        loop: every rank's running totals stored with the resumed checkpoint
+            (a list, one entry per rank that saved it), or None.
         resumed_extra: the resumed checkpoint's ``extra`` (this manager's and its save's).
         latest_path: ``directory / "latest.pth"``.
         interrupted_path: ``directory / "interrupted.pth"``.
 
     Example:
-        >>> manager = CheckpointManager("runs/exp1", prefix="seresnext50", every_steps=500)
-        >>> start = manager.resume(model, optimizer, scheduler)
+        >>> state = TrainingState(model, optimizer, scheduler)
+        >>> manager = CheckpointManager("runs/exp1", prefix="seresnext50", state=state)
+        >>> start = manager.resume()
         >>> for epoch in range(start, epochs):
         ...     train_one_epoch(...)
-        ...     manager.save(epoch, model, optimizer, scheduler, metrics=evaluate(model, val))
+        ...     manager.save(epoch, metrics=evaluate(model, val))
     """
 
     def __init__(
@@ -151,6 +163,13 @@ class CheckpointManager:
         self._writer = BackgroundWriter()
         # The host copy of the last background save, written into by the next one.
         self._spare: Any = None
+        self._last_save = time.monotonic()  # the clock of every_minutes
+
+    @property
+    def network(self) -> str:
+        """The former name of :attr:`prefix` (deprecated)."""
+        _graveyard.deprecated("CheckpointManager.network", "CheckpointManager.prefix")
+        return self.prefix
 
     @property
     def every_steps(self) -> int | None:
@@ -167,26 +186,50 @@ class CheckpointManager:
         """The error of a background write that failed on this rank, until it is raised."""
         return self._writer.error
 
+    def step_due(self, step: int) -> bool:
+        """Whether ``every_steps`` asks for a step checkpoint after optimizer step ``step``.
+
+        The same answer on every rank (the step count is), so each asks alone.
+        """
+        return self.cadence.step_due(step)
+
+    def time_due(self) -> bool:
+        """Whether ``every_minutes`` passed on this rank's clock since the manager's last save.
+
+        Ranks' clocks differ: ask on one rank and share the answer
+        (:class:`ddpkit.distributed.stops.StepControl` asks rank 0's).
+        """
+        return self.cadence.time_due(time.monotonic() - self._last_save)
+
     def bind(self, state: TrainingState) -> None:
-        """Take the objects every later save and resume reads and loads; once per run.
+        """Take the state every later save and resume records and restores; once per run.
 
         Raises:
-            TypeError: ``state`` is not a :class:`TrainingState`.
+            TypeError: ``state`` is not a :class:`~ddpkit.checkpoint.TrainingState`.
         """
         if not isinstance(state, TrainingState):
             raise TypeError(f"bind() takes a TrainingState, got {type(state).__name__}")
         self.state = state
 
-    def _bound(self, given: tuple[Any, Any, Any, Any], ema: nn.Module | None) -> TrainingState:
-        """The bound state, or one made of objects passed the way 0.1 passed them."""
-        model, optimizer, scheduler, scaler = given
-        if model is not None:  # save(epoch, model, optimizer, ...): bind them, as 0.1 did
-            self.bind(TrainingState(model, optimizer, scheduler, scaler, ema))
-        elif ema is not None and self.state is not None and self.state.ema is not ema:
-            self.bind(dataclasses.replace(self.state, ema=ema))
+    def _bound(self, call: str, given: dict[str, Any]) -> TrainingState:
+        """The bound state; objects passed one by one (0.1's way) are bound, with a warning."""
+        passed = {name: obj for name, obj in given.items() if obj is not None}
+        if passed:
+            names = ", ".join(passed)
+            _graveyard.deprecated(
+                f"CheckpointManager.{call}({names}) with the objects one by one",
+                "CheckpointManager(..., state=TrainingState(model, optimizer, ...)) or "
+                f"manager.bind(TrainingState(...)) once, then {call}() without them",
+                stacklevel=4,
+            )
+            if "model" in passed:  # save(epoch, model, optimizer, ...): bound, as 0.1 did
+                pieces = {k: v for k, v in given.items() if k != "model"}
+                self.bind(TrainingState(given["model"], **pieces))
+            elif self.state is not None:  # an average given alone joins the bound state
+                self.state.ema = passed.get("ema", self.state.ema)
         if self.state is None:
             raise TypeError(
-                "no training state: bind it once with CheckpointManager(..., "
+                f"no training state to {call}: bind it once with CheckpointManager(..., "
                 "state=TrainingState(model, optimizer, ...)) or manager.bind(...)"
             )
         return self.state
@@ -207,39 +250,25 @@ class CheckpointManager:
     ) -> Path | None:
         """Save the state after ``epoch``. All ranks must call this, or it deadlocks.
 
+        Sets the bound state's position to the start of epoch ``epoch + 1``
+        (after ``step`` optimizer steps), then :meth:`checkpoint` ``("epoch")``.
         Pass the same ``metrics`` on every rank (``ddpkit.evaluate``'s are).
 
         Args:
             epoch: the epoch just finished.
-            model, optimizer, scheduler, scaler, ema: the objects to save, as in
-                ddpkit 0.1; given, they are bound (:meth:`bind`) for later saves
-                and :meth:`resume`. Leave them out once a state is bound.
-            metrics: ``acc1`` names the weight file (0 without it) and picks
-                ``best.pth``; ``loss`` and the rest are stored. With an average
-                and an ``ema_acc1`` above ``acc1``, the weight file holds the
-                average's weights and is named (and ranked) by ``ema_acc1``.
-            extra: anything else to store, weights_only-loadable.
-            step: optimizer steps taken so far (``fit`` passes it); default:
-                the last step known to this manager.
-            block: wait until the files are written. With False, return once the
-                state is copied to host memory (reusing the last such copy, kept
-                until :meth:`flush`); the next save, :meth:`wait` and
-                :meth:`resume` wait for the write.
+            model, optimizer, scheduler, scaler, ema: deprecated: the objects one
+                by one, as in ddpkit 0.1 (bound with a ``DeprecationWarning``).
+            metrics, extra, block: as in :meth:`checkpoint`.
+            step: optimizer steps taken so far; default: the bound position's
+                step if it is later than the last one saved, else the last one.
 
         Returns:
             The path of ``latest.pth`` on the ranks that write, None on the others.
-
-        Raises:
-            TypeError: no state is bound, or ``metrics`` or ``extra`` hold
-                something that cannot be loaded back; nothing is written.
-            OSError: (writing ranks, ``block=True``) writing failed.
-            Rank0Error: (other ranks, ``block=True``) rank 0 failed to write.
-            CheckpointError: an earlier background write failed on some rank.
         """
-        self._bound((model, optimizer, scheduler, scaler), ema)
-        step = self._step if step is None else step
-        position = Position(epoch + 1, 0, 0, step, get_world_size())
-        return self._save("epoch", epoch, position, metrics, extra, None, block)
+        state = self._bound("save", _objects(model, optimizer, scheduler, scaler, ema))
+        step = max(self._step, state.position.step) if step is None else step
+        state.position = Position(epoch + 1, 0, 0, step, get_world_size())
+        return self.checkpoint("epoch", metrics=metrics, extra=extra, block=block)
 
     def save_step(
         self,
@@ -257,21 +286,142 @@ class CheckpointManager:
     ) -> Path | None:
         """Save the state in the middle of an epoch, at ``position``. All ranks must call this.
 
+        Sets the bound state's position (and, when given, its ``loop``), then
+        :meth:`checkpoint` ``(kind)``.
+
         Args:
             position: where training stands (its ``step`` names the file).
-            model, optimizer, scheduler, scaler, ema: as in :meth:`save`.
+            model, optimizer, scheduler, scaler, ema: deprecated, as in :meth:`save`.
             kind: ``"step"`` (``step-<n>.pth``) or ``"interrupted"`` (``interrupted.pth``).
-            loop: this rank's running totals (picklable), given back in :attr:`loop`.
-            extra: anything else to store, weights_only-loadable.
-            block: as in :meth:`save`.
+            loop: this rank's running totals; None: the bound state's ``loop``.
+            extra, block: as in :meth:`checkpoint`.
 
         Returns:
             The file's path on the ranks that write, None on the others.
         """
         if kind not in ("step", "interrupted"):
             raise ValueError(f"kind must be 'step' or 'interrupted', got {kind!r}")
-        self._bound((model, optimizer, scheduler, scaler), ema)
-        return self._save(kind, position.epoch, position, None, extra, loop, block)
+        state = self._bound("save_step", _objects(model, optimizer, scheduler, scaler, ema))
+        state.position = position
+        if loop is not None:
+            state.loop = loop
+        return self.checkpoint(kind, extra=extra, block=block)
+
+    def checkpoint(
+        self,
+        kind: str,
+        *,
+        metrics: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        block: bool = True,
+    ) -> Path | None:
+        """Write the bound state as it is: the one path of every save. All ranks must call this.
+
+        ``kind`` is ``"epoch"`` (``latest.pth``; the state's position is the
+        start of the next epoch), ``"step"`` (``step-<n>.pth``) or
+        ``"interrupted"`` (``interrupted.pth``); the file records the objects,
+        the position, every rank's RNG state and ``loop`` (the step kinds) and
+        ``extra`` (the manager's, the state's, then this call's).
+
+        Args:
+            kind: one of :data:`KINDS`.
+            metrics: (``"epoch"``) the same on every rank: ``acc1`` names the
+                weight file (0 without it) and picks ``best.pth``; ``loss`` and
+                the rest are stored. With an average and an ``ema_acc1`` above
+                ``acc1``, the weight file holds the average's weights and is
+                named (and ranked) by ``ema_acc1``.
+            extra: anything else to store in this file, weights_only-loadable.
+            block: wait until the files are written. With False, return once the
+                state is copied to host memory (reusing the last such copy, kept
+                until :meth:`flush`); the next save, :meth:`wait` and
+                :meth:`resume` wait for the write.
+
+        Returns:
+            The file's path on the ranks that write, None on the others.
+
+        Raises:
+            TypeError: no state is bound, or ``metrics`` or ``extra`` hold
+                something that cannot be loaded back; nothing is written.
+            ValueError: an unknown ``kind``.
+            OSError: (writing ranks, ``block=True``) writing failed.
+            Rank0Error: (other ranks, ``block=True``) rank 0 failed to write.
+            CheckpointError: an earlier background write failed on some rank.
+        """
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        state = self._bound("checkpoint", {})
+        position = state.position
+        epoch = position.epoch - 1 if kind == "epoch" else position.epoch
+        loop = dict(state.loop) if kind != "epoch" else None
+        self._writer.join()  # at most one write in flight
+        failed = self._writer.error
+        gathered = all_gather_object((capture_rng_state(), loop, describe_error(failed)))
+        raise_earlier_failure(failed, [g[2] for g in gathered], self._writer)
+        metrics = dict(metrics or {})
+        extra = {**self.extra, **state.extra, **(extra or {})}
+        check_saveable({"metrics": metrics, "extra": extra})  # the same on all ranks
+        if self._generation is None:  # the first save of a fresh run: the directory is its own
+            claim_directory(self.directory, writes=self.writes, overwrite=self.overwrite)
+            self._generation = next_generation(self.directory)
+        acc1 = float(metrics["acc1"]) if "acc1" in metrics else None
+        # The weight file holds the better of the model and its average, as measured.
+        averaged = state.ema is not None and "ema_acc1" in metrics
+        ema_acc1 = float(metrics["ema_acc1"]) if averaged else None
+        use_ema = (
+            ema_acc1 is not None
+            and not math.isnan(ema_acc1)
+            and (acc1 is None or math.isnan(acc1) or ema_acc1 > acc1)
+        )
+        acc1 = ema_acc1 if use_ema else acc1
+        improved = (
+            kind == "epoch"
+            and acc1 is not None
+            and not math.isnan(acc1)
+            and (self.best_acc1 is None or acc1 > self.best_acc1)
+        )
+        best = (acc1, epoch) if improved else (self.best_acc1, self._best_epoch)
+        self._step = max(self._step, position.step)
+        path: Path | None = None
+        error: BaseException | None = None
+        gather = self.on_each_node and get_world_size() > 1
+        pieces = state.capture(gather)
+        if self.writes:
+            record = {
+                "format": FORMAT,
+                "version": VERSION,
+                "kind": kind,
+                "snapshot": f"g{self._generation}-s{position.step}-e{epoch}-{kind}",
+                "generation": self._generation,
+                "epoch": epoch,
+                "position": position.as_dict(),
+                "acc1": acc1,
+                "loss": float(metrics["loss"]) if "loss" in metrics else None,
+                "lr": state.learning_rate(),
+                **pieces,
+                "weights": "ema" if use_ema else "model",
+                "world_size": get_world_size(),
+                "rng": [g[0] for g in gathered],
+                "loop": [g[1] for g in gathered],
+                "metrics": metrics,
+                "extra": extra,
+                "best_acc1": best[0],
+                "best_epoch": best[1],
+            }
+            path = self.latest_path if kind == "epoch" else self._path_of(kind, position.step)
+            if block:
+                try:
+                    self._write(record, improved)
+                except Exception as exc:
+                    error = exc
+            else:  # training changes the originals from here on: write a copy
+                # The last copy's write is done (joined above): its host memory is reused.
+                self._spare = snapshot(record, reuse=self._spare)
+                self._writer.submit(functools.partial(self._write, self._spare, improved))
+        if block:
+            share_outcome(error, kind)
+        self.best_acc1, self._best_epoch = best
+        self._last_save = time.monotonic()  # every_minutes counts from the last save, any kind
+        return path
 
     @property
     def writes(self) -> bool:
@@ -298,86 +448,6 @@ class CheckpointManager:
         failed = self._writer.error
         reports = all_gather_object(describe_error(failed))
         raise_earlier_failure(failed, reports, self._writer)
-
-    def _save(
-        self,
-        kind: str,
-        epoch: int,
-        position: Position,
-        metrics: Mapping[str, Any] | None,
-        extra: Mapping[str, Any] | None,
-        loop: Any,
-        block: bool,
-    ) -> Path | None:
-        assert self.state is not None, "bound by save() / save_step()"
-        self._writer.join()  # at most one write in flight
-        failed = self._writer.error
-        gathered = all_gather_object((capture_rng_state(), loop, describe_error(failed)))
-        raise_earlier_failure(failed, [g[2] for g in gathered], self._writer)
-        metrics, extra = dict(metrics or {}), {**self.extra, **(extra or {})}
-        check_saveable({"metrics": metrics, "extra": extra})  # the same on all ranks
-        if self._generation is None:  # the first save of a fresh run: the directory is its own
-            claim_directory(self.directory, writes=self.writes, overwrite=self.overwrite)
-            self._generation = next_generation(self.directory)
-        acc1 = float(metrics["acc1"]) if "acc1" in metrics else None
-        # The weight file holds the better of the model and its average, as measured.
-        averaged = self.state.ema is not None and "ema_acc1" in metrics
-        ema_acc1 = float(metrics["ema_acc1"]) if averaged else None
-        use_ema = (
-            ema_acc1 is not None
-            and not math.isnan(ema_acc1)
-            and (acc1 is None or math.isnan(acc1) or ema_acc1 > acc1)
-        )
-        acc1 = ema_acc1 if use_ema else acc1
-        improved = (
-            kind == "epoch"
-            and acc1 is not None
-            and not math.isnan(acc1)
-            and (self.best_acc1 is None or acc1 > self.best_acc1)
-        )
-        best = (acc1, epoch) if improved else (self.best_acc1, self._best_epoch)
-        self._step = max(self._step, position.step)
-        path: Path | None = None
-        error: BaseException | None = None
-        gather = self.on_each_node and get_world_size() > 1
-        pieces = self.state.capture(gather)
-        if self.writes:
-            state = {
-                "format": FORMAT,
-                "version": VERSION,
-                "kind": kind,
-                "snapshot": f"g{self._generation}-s{position.step}-e{epoch}-{kind}",
-                "generation": self._generation,
-                "epoch": epoch,
-                "position": position.as_dict(),
-                "acc1": acc1,
-                "loss": float(metrics["loss"]) if "loss" in metrics else None,
-                "lr": self.state.learning_rate(),
-                **pieces,
-                "weights": "ema" if use_ema else "model",
-                "world_size": get_world_size(),
-                "rng": [g[0] for g in gathered],
-                "loop": [g[1] for g in gathered],
-                "metrics": metrics,
-                "extra": extra,
-                "best_acc1": best[0],
-                "best_epoch": best[1],
-            }
-            path = self.latest_path if kind == "epoch" else self._path_of(kind, position.step)
-            if block:
-                write = functools.partial(self._write, state, improved)
-                try:
-                    write()
-                except Exception as exc:
-                    error = exc
-            else:  # training changes the originals from here on: write a copy
-                # The last copy's write is done (joined above): its host memory is reused.
-                self._spare = snapshot(state, reuse=self._spare)
-                self._writer.submit(functools.partial(self._write, self._spare, improved))
-        if block:
-            share_outcome(error, kind)
-        self.best_acc1, self._best_epoch = best
-        return path
 
     def _path_of(self, kind: str, step: int) -> Path:
         return self.interrupted_path if kind == "interrupted" else self.directory / step_name(step)
@@ -413,13 +483,15 @@ class CheckpointManager:
         The ranks agree on the newest checkpoint of the newest generation
         (epoch, step or interrupted) in any rank's directory; its holders load
         it, checking every CRC, and one sends it to the others. A damaged file
-        is skipped, with a warning, for the next newest. Also restores this
-        rank's RNG state, :attr:`best_acc1`, :attr:`position` and :attr:`loop`.
-        All ranks must call this, or it deadlocks.
+        is skipped, with a warning, for the next newest. Restores the bound
+        state's objects and position (and, on the number of ranks that saved
+        it, its ``loop``: this rank's totals), this rank's RNG state,
+        :attr:`best_acc1`, :attr:`position` and :attr:`loop`. All ranks must
+        call this, or it deadlocks.
 
         Args:
-            model, optimizer, scheduler, scaler, ema: as in :meth:`save` (bound
-                for later saves when given); a piece that is None is not restored.
+            model, optimizer, scheduler, scaler, ema: deprecated, as in :meth:`save`;
+                an object of the bound state that is None is not restored.
             path: resume from this file (on any rank's file system) instead
                 of the newest; later saves start a new generation.
             map_location: where loaded tensors go first.
@@ -438,9 +510,9 @@ class CheckpointManager:
                 the model differs (keys named), or the world size changed with ``strict_rng``.
 
         Example:
-            >>> start_epoch = manager.resume(model, optimizer, scheduler, scaler)
+            >>> start_epoch = manager.resume()
         """
-        training = self._bound((model, optimizer, scheduler, scaler), ema)
+        training = self._bound("resume", _objects(model, optimizer, scheduler, scaler, ema))
         self._writer.join()
         agreed = load_newest(self.directory, Path(path) if path is not None else None, map_location)
         self._latest_damaged = agreed.latest_damaged
@@ -462,10 +534,26 @@ class CheckpointManager:
         self.resumed_extra = restored.extra or {}
         self.best_acc1, self._best_epoch = restored.best_acc1, restored.best_epoch
         self._step = self.position.step
+        training.position = self.position
+        same = self.loop is not None and len(self.loop) == get_world_size()
+        mine = self.loop[get_rank()] if same and self.loop is not None else None
+        training.loop = dict(mine) if isinstance(mine, dict) else {}
         # An explicit file may be older than the newest: what follows is a new line of saves.
         self._generation = agreed.generation + 1 if path is not None else agreed.found.generation
+        self._last_save = time.monotonic()
         if get_rank() == 0:
             logger.info(
                 "resuming from %s (read on rank %d)", agreed.found.describe(), agreed.source
             )
-        return self.position.epoch if self.position is not None else 0
+        return self.position.epoch
+
+
+def _objects(model: Any, optimizer: Any, scheduler: Any, scaler: Any, ema: Any) -> dict[str, Any]:
+    """The objects a call of ddpkit 0.1's form passed one by one, by field name."""
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "scaler": scaler,
+        "ema": ema,
+    }

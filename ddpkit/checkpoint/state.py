@@ -1,25 +1,34 @@
-"""``TrainingState``: what a checkpoint saves and restores, bound once to its manager.
+"""``TrainingState``: everything a checkpoint saves and restores, one bag bound to its manager.
 
 The model and the objects that train it (optimizer, scheduler, GradScaler,
-the model's average) are given to the ``CheckpointManager`` once; every save
-and resume then reads and loads them here. A new piece of state (a second
-optimizer, a sampler with a state of its own) is a new field of this class
-and nothing else.
+the model's average), where training stands (:class:`~ddpkit.position.Position`),
+this rank's running totals of the epoch and what else every checkpoint
+records (``extra``) are one object, given to the ``CheckpointManager`` once.
+A loop keeps this one object current (``fit`` does it after every optimizer
+step); every save and resume reads and loads it here. A new piece of state
+(a second optimizer, a loader with a state of its own) is a new field of this
+class and nothing else.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
 from torch import nn
 
+from ddpkit._docs import see
 from ddpkit.checkpoint.serialization import CheckpointError
-from ddpkit.checkpoint.sync import check_fits, rank0_state
+from ddpkit.checkpoint.transfer import broadcast_state
+from ddpkit.distributed.comm import get_rank
 from ddpkit.distributed.parallel import unwrap_model
+from ddpkit.position import Position
 
-__all__ = ["TrainingState"]
+__all__ = ["TrainingState", "check_fits", "rank0_state"]
 
+# The fields that hold values, not objects with state_dict(): recorded as they are.
+VALUES = ("model", "position", "loop", "extra")
 # How the message names each piece, and how to resume without it.
 _WHAT = {
     "optimizer": ("optimizer", "pass optimizer=None to resume"),
@@ -35,12 +44,14 @@ _WHAT = {
 
 @dataclass(eq=False)
 class TrainingState:
-    """The objects a checkpoint holds the state of; None: that piece is not saved or restored.
+    """Everything a checkpoint holds; an object that is None is not saved or restored.
 
-    Every piece but ``model`` is saved with ``state_dict()`` and restored with
-    ``load_state_dict()`` under its field's name. ``model`` (DDP- or
+    Every object but ``model`` is saved with ``state_dict()`` and restored
+    with ``load_state_dict()`` under its field's name. ``model`` (DDP- or
     compile-wrapped or not) and ``ema`` are saved as rank 0 holds them, so a
-    copy written by another rank resumes exactly too.
+    copy written by another rank resumes exactly too. ``position``, ``loop``
+    and ``extra`` are plain values: a save records them as they are, and a
+    resume sets them to what the checkpoint recorded.
 
     Attributes:
         model: the model being trained.
@@ -48,6 +59,14 @@ class TrainingState:
         scheduler: a learning-rate scheduler.
         scaler: a ``torch.amp.GradScaler`` (fp16).
         ema: the model's average (``ddpkit.model_ema``).
+        position: where training stands: after an epoch, the next epoch with
+            no batch done; in the middle of one, the batches and samples done.
+        loop: this rank's running totals of the epoch in progress (any
+            ``weights_only``-loadable values); a checkpoint keeps every
+            rank's, and a resume gives back this rank's (see
+            :meth:`CheckpointManager.resume`).
+        extra: recorded in every checkpoint beside the manager's own ``extra``
+            (the trackers' runs, the run's configuration ...).
     """
 
     model: nn.Module
@@ -55,13 +74,20 @@ class TrainingState:
     scheduler: Any = None
     scaler: Any = None
     ema: nn.Module | None = None
+    position: Position = field(default_factory=Position)
+    loop: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def pieces(self) -> dict[str, Any]:
-        """Every piece but the model, by field name (None where there is none)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+        """Every object but the model, by field name (None where there is none).
+
+        Every field that is not one of :data:`VALUES`: a subclass's new field is
+        saved and restored with no other change.
+        """
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in VALUES}
 
     def capture(self, gather: bool) -> dict[str, Any]:
-        """The state of every piece, by name; ``gather``: the buffers as rank 0 holds them.
+        """The state of the model and every object, by name; ``gather``: buffers as rank 0's.
 
         With ``gather`` this is a collective: all ranks must call it, or it deadlocks.
         """
@@ -82,11 +108,11 @@ class TrainingState:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def check(self, state: dict[str, Any], name: str) -> None:
-        """Refuse ``state`` (a loaded checkpoint) that cannot restore every piece; load nothing.
+        """Refuse ``state`` (a loaded checkpoint) that cannot restore every object; load nothing.
 
         Raises:
-            CheckpointError: a piece this state has is missing from the file, or
-                the model (or its average) is not the one that saved it.
+            CheckpointError: an object this state has is missing from the file,
+                or the model (or its average) is not the one that saved it.
         """
         for piece, obj in self.pieces().items():
             if obj is not None and state.get(piece) is None:
@@ -97,8 +123,71 @@ class TrainingState:
             check_fits(self.ema, state["ema"], name, "model average (EMA)")
 
     def load(self, state: dict[str, Any]) -> None:
-        """Load every piece from ``state``, checked by :meth:`check` first."""
+        """Load the model and every object from ``state``, checked by :meth:`check` first."""
         unwrap_model(self.model).load_state_dict(state["model"])
         for piece, obj in self.pieces().items():
             if obj is not None:
                 obj.load_state_dict(state[piece])
+
+
+def rank0_state(module: nn.Module, gather: bool) -> dict[str, Any]:
+    """``module``'s state as rank 0 holds it (with ``gather``; a collective), else as it is.
+
+    DDP keeps parameters equal on all ranks, but each rank updates its
+    BatchNorm statistics with its own batch after rank 0's are broadcast (and
+    an average of the model averages them): a copy written by another rank
+    takes rank 0's buffers, or a resume from it would not be exact.
+    """
+    weights = module.state_dict()
+    if not gather:
+        return weights
+    buffers = {name: weights[name] for name, _ in module.named_buffers() if name in weights}
+    ours = broadcast_state(buffers if get_rank() == 0 else None, 0)
+    if get_rank() != 0:
+        weights.update(ours)  # a fresh dict from state_dict(): the module is not touched
+    return weights
+
+
+def check_fits(module: nn.Module, weights: Any, name: str, what: str = "model") -> None:
+    """Refuse ``weights`` that do not load into ``module``, naming the first differences.
+
+    Raises:
+        CheckpointError: keys missing from the file, keys the module lacks, or
+            tensors of other shapes (the first few of each); or no state dict at all.
+    """
+    if not isinstance(weights, dict):
+        raise CheckpointError(f"{name} holds no {what} state dict (a {type(weights).__name__})")
+    mine = module.state_dict()
+    missing = [k for k in mine if k not in weights]
+    unexpected = [k for k in weights if k not in mine]
+    shapes = [
+        f"{k} (file {list(weights[k].shape)}, {what} {list(v.shape)})"
+        for k, v in mine.items()
+        if k in weights
+        and isinstance(v, torch.Tensor)
+        and isinstance(weights[k], torch.Tensor)
+        and weights[k].shape != v.shape
+    ]
+    if not (missing or unexpected or shapes):
+        return
+    said = [
+        f"{label}: {_first(items)}"
+        for label, items in (
+            ("shapes differ", shapes),
+            (f"missing from the file ({len(missing)})", missing),
+            (f"not in the {what} ({len(unexpected)})", unexpected),
+        )
+        if items
+    ]
+    raise CheckpointError(
+        f"{name} was saved from another {what} than this one ({type(module).__name__}); "
+        + "; ".join(said)
+        + ". Resume with the model that wrote it (the same --arch and --num-classes), or start "
+        "a new run in another checkpoint directory; to start from its weights, use "
+        "load_pretrained (--pretrained) with a weight file. " + see("checkpoints")
+    )
+
+
+def _first(items: list[str], count: int = 3) -> str:
+    more = f" and {len(items) - count} more" if len(items) > count else ""
+    return ", ".join(items[:count]) + more

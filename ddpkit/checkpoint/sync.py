@@ -1,4 +1,4 @@
-"""Ranks agreeing about checkpoints: which one to resume from (load, send), how a save went.
+"""Ranks agreeing about checkpoints: which one to resume from (load, send), whose directory.
 
 Without a shared file system only some ranks hold the newest checkpoint (the
 node that wrote it). Every rank lists what it holds; all agree on the newest
@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
 
 from ddpkit._docs import see
-from ddpkit.checkpoint.background import BackgroundWriter
 from ddpkit.checkpoint.files import (
     LATEST,
     Found,
-    check_position,
     describe_run,
     newest_first,
     read_header,
@@ -35,30 +31,10 @@ from ddpkit.checkpoint.files import (
 from ddpkit.checkpoint.serialization import CheckpointError, MapLocation, load_checkpoint
 from ddpkit.checkpoint.transfer import broadcast_state
 from ddpkit.distributed.comm import all_gather_object, get_rank, get_world_size
-from ddpkit.distributed.rank0 import Rank0Error
-from ddpkit.position import Position
-from ddpkit.rng import check_rng_state, restore_rng_state
 
 logger = logging.getLogger("ddpkit")
 
-if TYPE_CHECKING:
-    from ddpkit.checkpoint.state import TrainingState
-
-__all__ = [
-    "Agreed",
-    "Restored",
-    "check_extra",
-    "check_fits",
-    "claim_directory",
-    "describe_error",
-    "load_newest",
-    "newest_extra",
-    "next_generation",
-    "raise_earlier_failure",
-    "rank0_state",
-    "restore_state",
-    "share_outcome",
-]
+__all__ = ["Agreed", "claim_directory", "load_newest", "newest_extra", "next_generation"]
 
 
 @dataclass(frozen=True)
@@ -285,214 +261,3 @@ def _warn_unreadable(views: list[Any], directory: Path) -> None:
                     RuntimeWarning,
                     stacklevel=4,
                 )
-
-
-def describe_error(error: BaseException | None) -> str | None:
-    return None if error is None else f"{type(error).__name__}: {error}"
-
-
-def raise_earlier_failure(
-    mine: BaseException | None, reports: list[str | None], writer: BackgroundWriter
-) -> None:
-    """Raise, on every rank, a background write that failed on any rank."""
-    failed = [(r, text) for r, text in enumerate(reports) if text is not None]
-    if not failed:
-        return
-    if mine is not None:
-        writer.wait()  # raises it here, once
-    rank, text = failed[0]
-    raise CheckpointError(
-        f"rank {rank} could not write its last checkpoint ({text}); the checkpoints before "
-        "it are intact. " + see("checkpoints")
-    )
-
-
-def share_outcome(error: BaseException | None, kind: str) -> None:
-    """A blocking save: every rank learns whether the writing ranks succeeded."""
-    report = None if error is None else (type(error).__qualname__, str(error), "")
-    verdicts = all_gather_object(report)
-    if error is not None:
-        raise error
-    for rank, verdict in enumerate(verdicts):
-        if verdict is None:
-            continue
-        if rank == 0:
-            raise Rank0Error(
-                f"rank 0 raised {verdict[0]}: {verdict[1]} (saving the {kind} checkpoint); rank "
-                f"{get_rank()} stops too rather than wait for it. Rank 0's traceback has the cause",
-                *verdict,
-            )
-        raise CheckpointError(
-            f"rank {rank} could not write its copy of the {kind} checkpoint: "
-            f"{verdict[0]}: {verdict[1]}"
-        )
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What :func:`restore_state` read back besides the objects it loaded into."""
-
-    position: Position
-    loop: list[Any] | None
-    best_acc1: float | None
-    best_epoch: int | None
-    extra: dict[str, Any] | None = None
-
-
-def check_extra(name: str, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
-    """Refuse a checkpoint whose ``extra`` differs from ``expected`` in a key both hold.
-
-    Raises:
-        CheckpointError: names the key, the value it was trained with and this run's.
-    """
-    differ = [k for k in expected if k in saved and saved[k] != expected[k]]
-    if differ:
-        was = ", ".join(f"{k} {saved[k]}" for k in differ)
-        now = ", ".join(f"{k} {expected[k]}" for k in differ)
-        raise CheckpointError(
-            f"{name} was trained with {was}; this run has {now}. Pass {was} to resume or "
-            f"evaluate it, or start a new run in another directory. {see('checkpoints')}"
-        )
-
-
-def rank0_state(module: nn.Module, gather: bool) -> dict[str, Any]:
-    """``module``'s state as rank 0 holds it (with ``gather``; a collective), else as it is.
-
-    DDP keeps parameters equal on all ranks, but each rank updates its
-    BatchNorm statistics with its own batch after rank 0's are broadcast (and
-    an average of the model averages them): a copy written by another rank
-    takes rank 0's buffers, or a resume from it would not be exact.
-    """
-    weights = module.state_dict()
-    if not gather:
-        return weights
-    buffers = {name: weights[name] for name, _ in module.named_buffers() if name in weights}
-    ours = broadcast_state(buffers if get_rank() == 0 else None, 0)
-    if get_rank() != 0:
-        weights.update(ours)  # a fresh dict from state_dict(): the module is not touched
-    return weights
-
-
-def restore_state(
-    state: dict[str, Any],
-    found: Found,
-    training: TrainingState,
-    strict_rng: bool,
-    where: str | None = None,
-    expected: Mapping[str, Any] | None = None,
-) -> Restored:
-    """Load ``state`` into every piece of ``training`` (None pieces are skipped).
-
-    This rank's RNG state is restored when the world size is the one that saved.
-    Everything is checked before anything is loaded: the position, the RNG
-    states, and that the model (and its average) has the checkpoint's tensors.
-
-    Args:
-        where: the checkpoint's path, for messages; default: its file name.
-
-    Raises:
-        CheckpointError: a piece asked for is not in ``state``, the position or
-            an RNG state is malformed, the model is not the one that saved
-            (names the first keys and shapes that differ), the world size
-            changed and ``strict_rng`` is True (with False: a warning), or
-            ``state["extra"]`` holds another value than ``expected`` for one of
-            its keys (another architecture, say); nothing is loaded then.
-    """
-    name = where or found.name
-    check_extra(name, state.get("extra") or {}, expected or {})
-    saved, now = state.get("world_size"), get_world_size()
-    try:
-        if int(state.get("version", 0)) >= 2:
-            position = check_position(state)[1]
-        else:  # 0.1's format: an epoch end
-            position = Position(int(state["epoch"]) + 1, 0, 0, 0, int(saved or 1))
-        _check_rng_list(state.get("rng"), position.world_size)
-    except ValueError as exc:
-        raise CheckpointError(
-            f"{name} cannot be resumed: {exc}. The file was changed after it was written, or "
-            "not by ddpkit; resume from another checkpoint. " + see("checkpoints")
-        ) from None
-    training.check(state, name)
-    saved = position.world_size
-    if saved != now:
-        message = f"{name} holds RNG states for {saved} ranks and this job has {now}"
-        if strict_rng:
-            raise CheckpointError(f"{message}; pass strict_rng=False to resume without them")
-        if get_rank() == 0:  # the same words from every rank say nothing more
-            warnings.warn(
-                f"{message}; resuming without restoring RNG state, so the run continues but "
-                "is not bit-exact with an uninterrupted one",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-    training.load(state)
-    if saved == now:
-        restore_rng_state(state["rng"][get_rank()])
-    extra = state.get("extra")
-    return Restored(
-        position,
-        state.get("loop"),
-        state.get("best_acc1"),
-        state.get("best_epoch"),
-        extra if isinstance(extra, dict) else None,
-    )
-
-
-def _check_rng_list(rng: Any, world_size: int) -> None:
-    """The checkpoint's ``rng``: one state of :func:`capture_rng_state` per saving rank."""
-    if not isinstance(rng, list | tuple):
-        raise ValueError(f"its 'rng' field is {rng!r:.60}, not a list of one RNG state per rank")
-    if len(rng) != world_size:
-        raise ValueError(
-            f"its 'rng' field holds {len(rng)} RNG state(s), but {world_size} rank(s) saved it"
-        )
-    for rank, entry in enumerate(rng):
-        try:
-            check_rng_state(entry)
-        except ValueError as exc:
-            raise ValueError(f"its 'rng' field, entry {rank} (rank {rank}'s): {exc}") from None
-
-
-def check_fits(module: nn.Module, weights: Any, name: str, what: str = "model") -> None:
-    """Refuse ``weights`` that do not load into ``module``, naming the first differences.
-
-    Raises:
-        CheckpointError: keys missing from the file, keys the module lacks, or
-            tensors of other shapes (the first few of each); or no state dict at all.
-    """
-    if not isinstance(weights, dict):
-        raise CheckpointError(f"{name} holds no {what} state dict (a {type(weights).__name__})")
-    mine = module.state_dict()
-    missing = [k for k in mine if k not in weights]
-    unexpected = [k for k in weights if k not in mine]
-    shapes = [
-        f"{k} (file {list(weights[k].shape)}, {what} {list(v.shape)})"
-        for k, v in mine.items()
-        if k in weights
-        and isinstance(v, torch.Tensor)
-        and isinstance(weights[k], torch.Tensor)
-        and weights[k].shape != v.shape
-    ]
-    if not (missing or unexpected or shapes):
-        return
-    said = [
-        f"{label}: {_first(items)}"
-        for label, items in (
-            ("shapes differ", shapes),
-            (f"missing from the file ({len(missing)})", missing),
-            (f"not in the {what} ({len(unexpected)})", unexpected),
-        )
-        if items
-    ]
-    raise CheckpointError(
-        f"{name} was saved from another {what} than this one ({type(module).__name__}); "
-        + "; ".join(said)
-        + ". Resume with the model that wrote it (the same --arch and --num-classes), or start "
-        "a new run in another checkpoint directory; to start from its weights, use "
-        "load_pretrained (--pretrained) with a weight file. " + see("checkpoints")
-    )
-
-
-def _first(items: list[str], count: int = 3) -> str:
-    more = f" and {len(items) - count} more" if len(items) > count else ""
-    return ", ".join(items[:count]) + more

@@ -29,76 +29,31 @@ from typing import TYPE_CHECKING
 
 from ddpkit._lazy import lazy_names
 
-if TYPE_CHECKING:
-    from ddpkit.data.balanced import WeightedDistributedSampler, class_weights
-    from ddpkit.data.images import ImageTooLargeError
-    from ddpkit.data.lmdb_build import BuildSummary, ImageError, build_lmdb
-    from ddpkit.data.lmdb_dataset import LazyLMDBDataset
-    from ddpkit.data.lmdb_format import LMDBFormatError, read_index
-    from ddpkit.data.lmdb_inspect import VerifyReport, describe_lmdb, verify_lmdb, verify_report
-    from ddpkit.data.loaders import build_loader
-    from ddpkit.data.mixing import mixup_cutmix
-    from ddpkit.data.samplers import DistributedEvalSampler, set_epoch
-    from ddpkit.data.shapes import SHAPE_CLASSES, make_shapes_dataset
-    from ddpkit.data.transforms import (
-        IMAGENET_MEAN,
-        IMAGENET_STD,
-        normalize_batch,
-        train_transform,
-        val_transform,
-    )
+if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
+    from ddpkit.data.balanced import WeightedDistributedSampler as WeightedDistributedSampler
+    from ddpkit.data.balanced import class_weights as class_weights
+    from ddpkit.data.images import ImageTooLargeError as ImageTooLargeError
+    from ddpkit.data.lmdb_build import BuildSummary as BuildSummary
+    from ddpkit.data.lmdb_build import ImageError as ImageError
+    from ddpkit.data.lmdb_build import build_lmdb as build_lmdb
+    from ddpkit.data.lmdb_dataset import LazyLMDBDataset as LazyLMDBDataset
+    from ddpkit.data.lmdb_format import LMDBFormatError as LMDBFormatError
+    from ddpkit.data.lmdb_format import read_index as read_index
+    from ddpkit.data.lmdb_inspect import VerifyReport as VerifyReport
+    from ddpkit.data.lmdb_inspect import describe_lmdb as describe_lmdb
+    from ddpkit.data.lmdb_inspect import verify_lmdb as verify_lmdb
+    from ddpkit.data.lmdb_inspect import verify_report as verify_report
+    from ddpkit.data.loaders import build_loader as build_loader
+    from ddpkit.data.mixing import mixup_cutmix as mixup_cutmix
+    from ddpkit.data.samplers import DistributedEvalSampler as DistributedEvalSampler
+    from ddpkit.data.samplers import set_epoch as set_epoch
+    from ddpkit.data.shapes import SHAPE_CLASSES as SHAPE_CLASSES
+    from ddpkit.data.shapes import make_shapes_dataset as make_shapes_dataset
+    from ddpkit.data.transforms import IMAGENET_MEAN as IMAGENET_MEAN
+    from ddpkit.data.transforms import IMAGENET_STD as IMAGENET_STD
+    from ddpkit.data.transforms import normalize_batch as normalize_batch
+    from ddpkit.data.transforms import train_transform as train_transform
+    from ddpkit.data.transforms import val_transform as val_transform
 
-__all__ = [
-    "IMAGENET_MEAN",
-    "IMAGENET_STD",
-    "SHAPE_CLASSES",
-    "BuildSummary",
-    "DistributedEvalSampler",
-    "ImageError",
-    "ImageTooLargeError",
-    "LMDBFormatError",
-    "LazyLMDBDataset",
-    "VerifyReport",
-    "WeightedDistributedSampler",
-    "build_lmdb",
-    "build_loader",
-    "class_weights",
-    "describe_lmdb",
-    "make_shapes_dataset",
-    "mixup_cutmix",
-    "normalize_batch",
-    "read_index",
-    "set_epoch",
-    "train_transform",
-    "val_transform",
-    "verify_lmdb",
-    "verify_report",
-]
-
-__getattr__, __dir__ = lazy_names(
-    __name__,
-    {
-        "ddpkit.data.balanced": ("WeightedDistributedSampler", "class_weights"),
-        "ddpkit.data.images": ("ImageTooLargeError",),
-        "ddpkit.data.lmdb_build": ("BuildSummary", "ImageError", "build_lmdb"),
-        "ddpkit.data.lmdb_dataset": ("LazyLMDBDataset",),
-        "ddpkit.data.lmdb_format": ("LMDBFormatError", "read_index"),
-        "ddpkit.data.lmdb_inspect": (
-            "VerifyReport",
-            "describe_lmdb",
-            "verify_lmdb",
-            "verify_report",
-        ),
-        "ddpkit.data.loaders": ("build_loader",),
-        "ddpkit.data.mixing": ("mixup_cutmix",),
-        "ddpkit.data.samplers": ("DistributedEvalSampler", "set_epoch"),
-        "ddpkit.data.shapes": ("SHAPE_CLASSES", "make_shapes_dataset"),
-        "ddpkit.data.transforms": (
-            "IMAGENET_MEAN",
-            "IMAGENET_STD",
-            "normalize_batch",
-            "train_transform",
-            "val_transform",
-        ),
-    },
-)
+if not TYPE_CHECKING:  # see ddpkit._lazy: mypy must not see an __all__ it cannot read
+    __getattr__, __dir__, __all__ = lazy_names(__name__, __file__)

@@ -29,102 +29,36 @@ from typing import TYPE_CHECKING
 
 from ddpkit._lazy import lazy_names
 
-if TYPE_CHECKING:
-    from ddpkit.distributed.comm import (
-        all_gather_object,
-        all_reduce_sum,
-        barrier,
-        get_local_rank,
-        get_rank,
-        get_world_size,
-        is_main_process,
-    )
-    from ddpkit.distributed.job import DistInfo
-    from ddpkit.distributed.network import (
-        NetworkConfigError,
-        NetworkPlan,
-        configure_network,
-        plan_network,
-    )
-    from ddpkit.distributed.parallel import no_sync, unwrap_model, wrap_ddp
-    from ddpkit.distributed.process_group import init_distributed, shutdown
-    from ddpkit.distributed.processes import RankFailedError
-    from ddpkit.distributed.rank0 import Rank0Error, rank0_first, rank0_only
-    from ddpkit.distributed.rendezvous import RendezvousError
-    from ddpkit.distributed.spawning import spawn
-    from ddpkit.distributed.stops import (
-        HANG_EXIT_CODE,
-        PREEMPTED_EXIT_CODE,
-        HangStopped,
-        Preempted,
-        SignalStopped,
-    )
-    from ddpkit.distributed.watchdog import HangWatchdog
+if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
+    from ddpkit.distributed.comm import all_gather_object as all_gather_object
+    from ddpkit.distributed.comm import all_reduce_sum as all_reduce_sum
+    from ddpkit.distributed.comm import barrier as barrier
+    from ddpkit.distributed.comm import get_local_rank as get_local_rank
+    from ddpkit.distributed.comm import get_rank as get_rank
+    from ddpkit.distributed.comm import get_world_size as get_world_size
+    from ddpkit.distributed.comm import is_main_process as is_main_process
+    from ddpkit.distributed.job import DistInfo as DistInfo
+    from ddpkit.distributed.network import NetworkConfigError as NetworkConfigError
+    from ddpkit.distributed.network import NetworkPlan as NetworkPlan
+    from ddpkit.distributed.network import configure_network as configure_network
+    from ddpkit.distributed.network import plan_network as plan_network
+    from ddpkit.distributed.parallel import no_sync as no_sync
+    from ddpkit.distributed.parallel import unwrap_model as unwrap_model
+    from ddpkit.distributed.parallel import wrap_ddp as wrap_ddp
+    from ddpkit.distributed.process_group import init_distributed as init_distributed
+    from ddpkit.distributed.process_group import shutdown as shutdown
+    from ddpkit.distributed.processes import RankFailedError as RankFailedError
+    from ddpkit.distributed.rank0 import Rank0Error as Rank0Error
+    from ddpkit.distributed.rank0 import rank0_first as rank0_first
+    from ddpkit.distributed.rank0 import rank0_only as rank0_only
+    from ddpkit.distributed.rendezvous import RendezvousError as RendezvousError
+    from ddpkit.distributed.spawning import spawn as spawn
+    from ddpkit.distributed.stops import HANG_EXIT_CODE as HANG_EXIT_CODE
+    from ddpkit.distributed.stops import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+    from ddpkit.distributed.stops import HangStopped as HangStopped
+    from ddpkit.distributed.stops import Preempted as Preempted
+    from ddpkit.distributed.stops import SignalStopped as SignalStopped
+    from ddpkit.distributed.watchdog import HangWatchdog as HangWatchdog
 
-__all__ = [
-    "HANG_EXIT_CODE",
-    "PREEMPTED_EXIT_CODE",
-    "DistInfo",
-    "HangStopped",
-    "HangWatchdog",
-    "NetworkConfigError",
-    "NetworkPlan",
-    "Preempted",
-    "Rank0Error",
-    "RankFailedError",
-    "RendezvousError",
-    "SignalStopped",
-    "all_gather_object",
-    "all_reduce_sum",
-    "barrier",
-    "configure_network",
-    "get_local_rank",
-    "get_rank",
-    "get_world_size",
-    "init_distributed",
-    "is_main_process",
-    "no_sync",
-    "plan_network",
-    "rank0_first",
-    "rank0_only",
-    "shutdown",
-    "spawn",
-    "unwrap_model",
-    "wrap_ddp",
-]
-
-__getattr__, __dir__ = lazy_names(
-    __name__,
-    {
-        "ddpkit.distributed.comm": (
-            "all_gather_object",
-            "all_reduce_sum",
-            "barrier",
-            "get_local_rank",
-            "get_rank",
-            "get_world_size",
-            "is_main_process",
-        ),
-        "ddpkit.distributed.job": ("DistInfo",),
-        "ddpkit.distributed.network": (
-            "NetworkConfigError",
-            "NetworkPlan",
-            "configure_network",
-            "plan_network",
-        ),
-        "ddpkit.distributed.parallel": ("no_sync", "unwrap_model", "wrap_ddp"),
-        "ddpkit.distributed.process_group": ("init_distributed", "shutdown"),
-        "ddpkit.distributed.processes": ("RankFailedError",),
-        "ddpkit.distributed.rank0": ("Rank0Error", "rank0_first", "rank0_only"),
-        "ddpkit.distributed.rendezvous": ("RendezvousError",),
-        "ddpkit.distributed.spawning": ("spawn",),
-        "ddpkit.distributed.stops": (
-            "HANG_EXIT_CODE",
-            "PREEMPTED_EXIT_CODE",
-            "HangStopped",
-            "Preempted",
-            "SignalStopped",
-        ),
-        "ddpkit.distributed.watchdog": ("HangWatchdog",),
-    },
-)
+if not TYPE_CHECKING:  # see ddpkit._lazy: mypy must not see an __all__ it cannot read
+    __getattr__, __dir__, __all__ = lazy_names(__name__, __file__)

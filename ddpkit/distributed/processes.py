@@ -134,17 +134,11 @@ def _failure_report(index: int, message: str) -> _Report:
 StartMethod = Literal["spawn", "forkserver"]
 
 # What a forkserver imports once, so that each process forked from it starts in a
-# fraction of a second instead of importing torch and torchvision (seconds) on its own.
-FORKSERVER_PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torchvision",
-    "ddpkit.testing",
-    "ddpkit.distributed",
-    "ddpkit.checkpoint",
-    "ddpkit.data",
-    "ddpkit.training",
-)
+# fraction of a second instead of importing torch and torchvision (seconds) on its own:
+# torch's libraries and this module, where every process starts. The module a run's
+# function lives in (ddpkit.testing's, say) comes from above: run_and_collect adds it.
+# This layer names no other part (tests/test_architecture.py).
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torchvision", __name__)
 
 
 def start_forkserver(ctx: Any, preload: Sequence[str] = FORKSERVER_PRELOAD) -> None:
@@ -169,6 +163,15 @@ def start_forkserver(ctx: Any, preload: Sequence[str] = FORKSERVER_PRELOAD) -> N
 
 _forkserver_ready = False
 _forkserver_lock = threading.Lock()
+
+
+def _preload(target: Callable[..., Any]) -> tuple[str, ...]:
+    """:data:`FORKSERVER_PRELOAD` and the module of ``target``, which each process imports."""
+    module = getattr(target, "__module__", None)
+    # A script's own __main__ is not preloaded: it is imported in each child, as under spawn.
+    if not module or module == "__main__" or module in FORKSERVER_PRELOAD:
+        return FORKSERVER_PRELOAD
+    return (*FORKSERVER_PRELOAD, module)
 
 
 def _nothing() -> None:
@@ -279,7 +282,8 @@ def run_processes(
     unfinished ranks when ``timeout`` seconds pass. Messages call process
     ``index`` rank ``first_rank + index`` of ``world_size`` (default ``nprocs``).
     ``start_method`` ``"forkserver"`` forks each process from a server that
-    imported :data:`FORKSERVER_PRELOAD` once (:func:`start_forkserver`).
+    imported :data:`FORKSERVER_PRELOAD` and ``target``'s module once
+    (:func:`start_forkserver`; the first run of the process starts it).
     """
     outcome = run_and_collect(
         target,
@@ -330,7 +334,7 @@ def run_and_collect(
         raise ValueError("own_process_groups needs start_method='spawn'")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        start_forkserver(ctx)
+        start_forkserver(ctx, _preload(target))
     results = ctx.Queue()
     notes = tempfile.mkdtemp(prefix="ddpkit-exit-notes-")
     processes: list[BaseProcess] = []

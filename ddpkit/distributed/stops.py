@@ -115,14 +115,18 @@ class SignalStopped(SystemExit):
 
 
 class Cadence(Protocol):
-    """What :class:`StepControl` asks of a save cadence (``SaveCadence`` has it)."""
+    """What :class:`StepControl` asks of whoever owns the save cadence and its clock.
+
+    ``ddpkit.CheckpointManager`` is one: its rule (``every_steps``,
+    ``every_minutes``) and its clock, which restarts at each of its saves.
+    """
 
     def step_due(self, step: int) -> bool:
         """Whether to save after optimizer step ``step``; the same answer on every rank."""
         ...
 
-    def time_due(self, seconds_since_save: float) -> bool:
-        """Whether to save this long after the last save; asked on rank 0 only."""
+    def time_due(self) -> bool:
+        """Whether enough time passed since the last save, on this rank's clock (rank 0's asked)."""
         ...
 
 
@@ -165,11 +169,11 @@ class StepControl:
         store: the c10d store every rank shares, under a prefix of this run.
         rank: this rank.
         world_size: ranks in the job.
-        cadence: when to save between steps (a
-            :class:`~ddpkit.checkpoint.cadence.SaveCadence`, or anything with its
-            two methods, :class:`Cadence`): ``step_due(step)`` is decided by
-            every rank alone, ``time_due(seconds)`` on rank 0's clock and agreed
-            through the store. None: no saves between steps but a stop's.
+        cadence: who says when to save between steps (a ``CheckpointManager``,
+            or anything with the two methods of :class:`Cadence`):
+            ``step_due(step)`` is decided by every rank alone, ``time_due()`` on
+            rank 0's clock and agreed through the store. None: no saves between
+            steps but a stop's.
     """
 
     def __init__(
@@ -185,7 +189,7 @@ class StepControl:
         self._store: Any = store if world_size > 1 else None
         self._rank = rank
         self._cadence = cadence
-        self._last_save = time.monotonic()
+        self._asked: int | None = None  # the step of the timed save rank 0 posted, until taken
         self._previous: dict[int, Any] = {}
         self._signal: str | None = None
         self._signal_at = 0.0
@@ -225,15 +229,12 @@ class StepControl:
         if self._error is None:
             self._error = error
 
-    def saved(self) -> None:
-        """A checkpoint was just taken: the timed saves count from now."""
-        self._last_save = time.monotonic()
-
     def after_step(self, step: int) -> Actions:
         """Call on every rank after optimizer step ``step`` (1, 2, ... over the run).
 
         Every save between two steps is decided here: the cadence's steps, its
-        minutes (agreed), and the stop a signal or a failed write asks for.
+        minutes (agreed), and the stop a signal or a failed write asks for. The
+        answer is the same on every rank.
         """
         counted = self._cadence is not None and self._cadence.step_due(step)
         if self._store is None:
@@ -242,16 +243,15 @@ class StepControl:
         if mine is not None and not self._posted:
             self._post(f"stop|{step + 1}|{mine.kind}|{mine.detail}")
             self._posted = True
-        if self._rank == 0 and self._time_due():
+        if self._rank == 0 and (self._asked is None or step > self._asked) and self._time_due():
+            # Asked once: the cadence's clock restarts when the save is taken, a step later.
+            self._asked = step + 1
             self._post(f"save|{step + 1}")
-            self._last_save = time.monotonic()  # asked once; saved() counts from the save
         self._read()
         return Actions(save=counted or step in self._saves, stop=self._stop_now(step))
 
     def _time_due(self) -> bool:
-        return self._cadence is not None and self._cadence.time_due(
-            time.monotonic() - self._last_save
-        )
+        return self._cadence is not None and self._cadence.time_due()
 
     def stop_at_epoch_end(self) -> Stop | None:
         """Whether any rank wants to stop now, at an epoch's end. All ranks must call this.

@@ -130,7 +130,6 @@ class HangWatchdog:
         world_size: int | None = None,
         report_dir: str | os.PathLike[str] | None = None,
         report_signal: str | None = None,
-        _exit: Callable[[int], object] = os._exit,
     ) -> None:
         seconds = positive_seconds(timeout)
         if seconds is None:
@@ -153,7 +152,9 @@ class HangWatchdog:
         if store is not None and not is_dist_initialized() and None in (rank, world_size):
             raise ValueError("store= needs rank= and world_size= when there is no process group")
         self.timeout, self.interval = seconds, every
-        self._prefix, self._exit = prefix, _exit
+        self._prefix = prefix
+        # How the process ends on a verdict; a test replaces it before start().
+        self._exit: Callable[[int], object] = os._exit
         self._base, self._rank, self._world = store, rank, world_size
         self._heartbeat = Heartbeat(rank or 0)
         self._judge: Judge | None = None  # rank 0's, made by start()

@@ -6,11 +6,14 @@ its text on the command line would (``milestones: 5`` is ``--milestones 5``,
 ``network: 7`` is ``--network 7``); ``null`` leaves a flag whose default is
 None at it. A bad file or value is one line naming the file and the key, exit
 status 2, before anything is built. The file must be a regular file of at most
-:data:`MAX_BYTES` of UTF-8 text. The
-command line wins over the file, the file over the built-in defaults, and
-:func:`resolved` says for every flag which of the three gave its value. The
-record goes into ``metrics.jsonl``'s run header, the trackers and every
-checkpoint; :func:`resume_changes` compares a checkpoint's with this run's.
+:data:`MAX_BYTES` of UTF-8 text.
+
+:func:`parse_with_config` parses a command line: it wins over the file, the
+file over the built-in defaults, and ``args.sources`` says which of the three
+gave each value; :func:`resolved` makes that the run's record, which goes into
+``metrics.jsonl``'s run header, the trackers and every checkpoint, and
+:func:`resume_changes` compares a checkpoint's with this run's. argparse keeps
+its list of flags to itself, so the caller passes them (:class:`Flags`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import re
 import stat
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -35,8 +39,10 @@ __all__ = [
     "BREAKS_RESUME",
     "CHANGES_RESUME",
     "MAX_BYTES",
+    "Flags",
     "apply_config",
     "load_config",
+    "parse_with_config",
     "refuse",
     "resolved",
     "resume_changes",
@@ -66,6 +72,65 @@ CHANGES_RESUME = (
 MAX_BYTES = 1 << 20
 # Flags a file cannot set: they name the file, or say what to do with a run, not how to train.
 _NOT_IN_FILE = ("help", "config")
+
+
+@dataclass(frozen=True)
+class Flags:
+    """A command line's flags, as the config code needs them; argparse keeps its own list private.
+
+    Attributes:
+        parser: the parser of the command line: its defaults, ``--help``, its errors.
+        actions: every flag but ``--help``, as ``add_argument`` returned it.
+        exclusive: the destinations of each group of flags that exclude each other.
+        bare: the same flags on a parser without defaults or ``--help`` whose errors
+            raise ``argparse.ArgumentError``: what a command line, or one flag's
+            text, gives by itself.
+    """
+
+    parser: argparse.ArgumentParser
+    actions: tuple[argparse.Action, ...]
+    exclusive: tuple[tuple[str, ...], ...]
+    bare: argparse.ArgumentParser
+
+
+def parse_with_config(flags: Flags, argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` over ``--config FILE`` over the built-in defaults.
+
+    The namespace holds every flag's value and ``sources``: the destinations the
+    file or the command line set, each with ``"config"`` or ``"command line"``.
+    A flag the command line gives drops the file's value of a flag it excludes
+    (``--lr`` on the command line, ``lr_base`` in the file); a file that sets two
+    such flags is refused. Errors end the program with exit status 2: argparse's
+    own for the command line, one line naming the key for the file.
+    """
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--config")
+    path = first.parse_known_args(argv)[0].config
+    builtin = {a.dest: a.default for a in flags.actions}
+    sources = apply_config(flags, path) if path is not None else {}
+    args = flags.parser.parse_args(argv)
+    # What argv sets itself: argparse alone does not tell a default from a given value.
+    given = set(vars(flags.bare.parse_known_args(argv)[0]))
+    switches = {a.dest for a in flags.actions if a.nargs == 0}
+    for dests in flags.exclusive:
+        # A switch the file leaves off (requires_grad: false) excludes nothing, as on the
+        # command line, where it is not given.
+        from_file = {
+            d
+            for d in set(dests) & set(sources)
+            if d not in switches or flags.parser.get_default(d) != builtin[d]
+        }
+        if given & set(dests):  # --lr on the command line drops the file's --lr-base
+            for dest in from_file - given:
+                setattr(args, dest, builtin[dest])
+                del sources[dest]
+        elif len(from_file) > 1:
+            both = " and ".join(f"--{d.replace('_', '-')}" for d in sorted(from_file))
+            refuse(
+                flags.parser, f"--config {path}: sets {both}, which exclude each other: keep one"
+            )
+    args.sources = {**sources, **dict.fromkeys(given, "command line")}
+    return args
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -102,8 +167,8 @@ def load_config(path: str) -> dict[str, Any]:
     return table
 
 
-def apply_config(parser: argparse.ArgumentParser, path: str) -> dict[str, str]:
-    """Make the values of the file at ``path`` the defaults of ``parser``'s flags.
+def apply_config(flags: Flags, path: str) -> dict[str, str]:
+    """Make the values of the file at ``path`` the defaults of ``flags.parser``.
 
     Each value goes through its flag's own parsing, as the command line's text
     would (its ``type``, ``nargs``, ``choices`` and action): a number for a
@@ -112,11 +177,12 @@ def apply_config(parser: argparse.ArgumentParser, path: str) -> dict[str, str]:
     Returns the destinations the file set. An error is one line on stderr
     naming the file and the key, and exit status 2 (:func:`refuse`).
     """
+    parser = flags.parser
     try:
         table = load_config(path)
     except ValueError as exc:
         refuse(parser, f"--config {exc}")
-    actions = _file_actions(parser)
+    actions = _file_actions(flags.actions)
     values: dict[str, Any] = {}
     keys: dict[str, str] = {}
     for key, value in table.items():
@@ -128,8 +194,8 @@ def apply_config(parser: argparse.ArgumentParser, path: str) -> dict[str, str]:
                 f"--config {path}: key {_shown(name)}: --{name} is for the command line only",
             )
         if action is None:
-            flags = sorted({o for a in actions.values() for o in a.option_strings if o[:2] == "--"})
-            close = difflib.get_close_matches("--" + name.replace("_", "-"), flags, n=1)
+            known = sorted({o for a in actions.values() for o in a.option_strings if o[:2] == "--"})
+            close = difflib.get_close_matches("--" + name.replace("_", "-"), known, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             refuse(
                 parser,
@@ -150,7 +216,7 @@ def apply_config(parser: argparse.ArgumentParser, path: str) -> dict[str, str]:
                 f"{_shown(action.default)}): give a value or drop the key",
             )
         try:
-            values[action.dest] = _value(parser, action, value)
+            values[action.dest] = _value(flags.bare, action, value)
         except _Refused as exc:
             refuse(parser, f"{where}: {_shown(value)}: {exc}")
     parser.set_defaults(**values)
@@ -172,10 +238,10 @@ class _Refused(Exception):
     """A config value its flag does not take; the message says why."""
 
 
-def _file_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+def _file_actions(flags: Sequence[argparse.Action]) -> dict[str, argparse.Action]:
     """The flags a file may set, by destination and by each long name (``wd``, ``weight_decay``)."""
     actions: dict[str, argparse.Action] = {}
-    for action in parser._actions:
+    for action in flags:
         if not action.option_strings or action.dest in _NOT_IN_FILE:
             continue
         actions[action.dest] = action
@@ -185,15 +251,18 @@ def _file_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]
     return actions
 
 
-def _value(parser: argparse.ArgumentParser, action: argparse.Action, value: Any) -> Any:
-    """``value`` as ``action``'s flag parses it from the command line, or :class:`_Refused`."""
+def _value(bare: argparse.ArgumentParser, action: argparse.Action, value: Any) -> Any:
+    """``value`` as ``action``'s flag parses it from the command line, or :class:`_Refused`.
+
+    ``bare`` parses the flag's text (:attr:`Flags.bare`).
+    """
     flag = _flag(action)
     if action.nargs == 0:  # a switch: store_true, store_false, store_const
         if not isinstance(value, bool):
             raise _Refused(f"{flag} is a switch: true or false")
         if isinstance(action.const, bool):
             return value  # the destination's own value (store_false's too)
-        return _act(parser, action, []) if value else action.default
+        return _act(bare, action, []) if value else action.default
     if isinstance(value, Mapping):
         raise _Refused(f"{flag} takes {_what(action)}, not a table")
     if isinstance(value, list | tuple):
@@ -212,26 +281,28 @@ def _value(parser: argparse.ArgumentParser, action: argparse.Action, value: Any)
         raise _Refused(f"{flag} takes at least one value")
     if isinstance(action.nargs, int) and len(tokens) != action.nargs:
         raise _Refused(f"{flag} takes {action.nargs} values, got {len(tokens)}")
-    return _act(parser, action, tokens)
+    return _act(bare, action, tokens)
 
 
-def _act(parser: argparse.ArgumentParser, action: argparse.Action, tokens: list[str]) -> Any:
-    """Run ``tokens`` through ``action``'s type, choices and action, as argparse does."""
-    try:
-        converted = [parser._get_value(action, token) for token in tokens]
-        for item in converted:
-            parser._check_value(action, item)
-    except argparse.ArgumentError as exc:
-        raise _Refused(f"{_flag(action)}: {exc.message}") from None
-    if action.nargs is None:
-        values: Any = converted[0]
-    elif action.nargs == "?":
-        values = converted[0] if converted else action.const
+def _act(bare: argparse.ArgumentParser, action: argparse.Action, tokens: list[str]) -> Any:
+    """Parse ``tokens`` as the text after ``action``'s flag: its type, choices and action."""
+    flag = action.option_strings[-1]
+    # --flag=TEXT: a value that starts with a dash stays a value. A list's items go alone
+    # first, so a bad one is named as the flag names it, then the list as a whole.
+    if len(tokens) == 1 and action.nargs in (None, "?"):
+        lines = [[f"{flag}={tokens[0]}"]]
     else:
-        values = converted
-    namespace = argparse.Namespace()
-    action(parser, namespace, values, action.option_strings[-1])
-    return getattr(namespace, action.dest)
+        each = [[f"{flag}={token}"] for token in tokens] if action.nargs in ("*", "+") else []
+        lines = [*each, [flag, *tokens]]
+    for line in lines:
+        try:
+            parsed, rest = bare.parse_known_args(line)
+        except argparse.ArgumentError as exc:
+            said = f"{exc.argument_name}: {exc.message}" if exc.argument_name else exc.message
+            raise _Refused(said) from None
+        if rest:  # an item a command line would take for another flag
+            raise _Refused(f"{_flag(action)}: {rest[0]!r} is not a value of it")
+    return getattr(parsed, action.dest)
 
 
 def _token(action: argparse.Action, item: Any) -> str:
@@ -367,33 +438,18 @@ def _shown(value: object, width: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= width else text[: width - 3] + "..."
 
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    """The destinations ``argv`` sets itself (argparse alone does not tell defaults apart)."""
-    saved = {a.dest: a.default for a in parser._actions}
-    table, parser._defaults = parser._defaults, {}  # set_defaults() writes here too
-    try:
-        for action in parser._actions:
-            action.default = argparse.SUPPRESS
-        given, _ = parser.parse_known_args(list(argv))
-    finally:
-        parser._defaults = table
-        for action in parser._actions:
-            action.default = saved[action.dest]
-    return set(vars(given))
-
 
 def resolved(args: argparse.Namespace, sources: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     """Every flag's final value and where it came from: ``default``, ``config`` or ``command line``.
 
-    Values are plain JSON values (lists, numbers, strings, None), so the
-    record fits ``metrics.jsonl``, a tracker and a ``weights_only`` checkpoint.
+    ``sources`` names the flags that did not keep their default (``args.sources``
+    of :func:`parse_with_config`). Values are plain JSON values (lists, numbers,
+    strings, None), so the record fits ``metrics.jsonl``, a tracker and a
+    ``weights_only`` checkpoint.
     """
     out: dict[str, dict[str, Any]] = {}
     for dest, value in sorted(vars(args).items()):
-        if dest.startswith("_"):
+        if dest == "sources":  # where the values came from, not a flag
             continue
         plain: Any = value if isinstance(value, bool | int | float | str | type(None)) else None
         if isinstance(value, list | tuple):

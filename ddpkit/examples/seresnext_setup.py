@@ -21,7 +21,8 @@ from torch import nn
 import ddpkit
 from ddpkit._docs import see
 from ddpkit.checkpoint.files import LATEST
-from ddpkit.checkpoint.sync import check_extra, newest_extra
+from ddpkit.checkpoint.restore import check_extra
+from ddpkit.checkpoint.sync import newest_extra
 
 __all__ = [
     "batch_error",

@@ -26,46 +26,22 @@ from typing import TYPE_CHECKING
 
 from ddpkit._lazy import lazy_names
 
-if TYPE_CHECKING:
-    from ddpkit.training.config import FaultConfig, ReportConfig, TrainConfig
-    from ddpkit.training.ema import model_ema
-    from ddpkit.training.epoch import TrainingError
-    from ddpkit.training.evaluation import evaluate
-    from ddpkit.training.loop import History, fit
-    from ddpkit.training.losses import FocalLoss
-    from ddpkit.training.models import PretrainedReport, freeze_backbone, load_pretrained
-    from ddpkit.training.schedules import linear_scaled_lr, warmup_schedule
-    from ddpkit.training.trackers import TrackerError
+if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
+    from ddpkit.training.config import FaultConfig as FaultConfig
+    from ddpkit.training.config import ReportConfig as ReportConfig
+    from ddpkit.training.config import TrainConfig as TrainConfig
+    from ddpkit.training.ema import model_ema as model_ema
+    from ddpkit.training.epoch import TrainingError as TrainingError
+    from ddpkit.training.evaluation import evaluate as evaluate
+    from ddpkit.training.loop import History as History
+    from ddpkit.training.loop import fit as fit
+    from ddpkit.training.losses import FocalLoss as FocalLoss
+    from ddpkit.training.models import PretrainedReport as PretrainedReport
+    from ddpkit.training.models import freeze_backbone as freeze_backbone
+    from ddpkit.training.models import load_pretrained as load_pretrained
+    from ddpkit.training.schedules import linear_scaled_lr as linear_scaled_lr
+    from ddpkit.training.schedules import warmup_schedule as warmup_schedule
+    from ddpkit.training.trackers import TrackerError as TrackerError
 
-__all__ = [
-    "FaultConfig",
-    "FocalLoss",
-    "History",
-    "PretrainedReport",
-    "ReportConfig",
-    "TrackerError",
-    "TrainConfig",
-    "TrainingError",
-    "evaluate",
-    "fit",
-    "freeze_backbone",
-    "linear_scaled_lr",
-    "load_pretrained",
-    "model_ema",
-    "warmup_schedule",
-]
-
-__getattr__, __dir__ = lazy_names(
-    __name__,
-    {
-        "ddpkit.training.config": ("FaultConfig", "ReportConfig", "TrainConfig"),
-        "ddpkit.training.ema": ("model_ema",),
-        "ddpkit.training.epoch": ("TrainingError",),
-        "ddpkit.training.evaluation": ("evaluate",),
-        "ddpkit.training.loop": ("History", "fit"),
-        "ddpkit.training.losses": ("FocalLoss",),
-        "ddpkit.training.models": ("PretrainedReport", "freeze_backbone", "load_pretrained"),
-        "ddpkit.training.schedules": ("linear_scaled_lr", "warmup_schedule"),
-        "ddpkit.training.trackers": ("TrackerError",),
-    },
-)
+if not TYPE_CHECKING:  # see ddpkit._lazy: mypy must not see an __all__ it cannot read
+    __getattr__, __dir__, __all__ = lazy_names(__name__, __file__)

@@ -1,9 +1,13 @@
-"""One training epoch from any position: its steps, and between them the saves, stops, heartbeats.
+"""One training epoch from any position, and the one function every optimizer step goes through.
 
-``fit`` builds a :class:`Run` once and calls :func:`train_epoch` per epoch.
-Between two optimizer steps every rank asks ``StepControl`` (one store call)
-whether to save a step checkpoint or stop, tells the hang watchdog it moved
-on, and nothing else: the per-step cost over a hand-written loop is that call.
+``fit`` builds a :class:`Run` once (the bound :class:`TrainingState` and how
+each step runs) and calls :func:`train_epoch` per epoch. Each micro-batch is
+a forward and a backward (:meth:`Run.backward`); each optimizer step, the
+epoch's last too, however the epoch ends, is :func:`optimizer_step`: scale,
+clip, step, count, schedule, the position, then one question to
+``StepControl`` (one store call) whether to save a step checkpoint or stop.
+That question and the watchdog's heartbeat are the per-step cost over a
+hand-written loop.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +27,7 @@ from torch.utils.data import DataLoader
 from ddpkit._docs import see
 from ddpkit.checkpoint import CheckpointManager
 from ddpkit.checkpoint.serialization import CheckpointError
+from ddpkit.checkpoint.state import TrainingState
 from ddpkit.data.resume import check_start, data_change, epoch_batches
 from ddpkit.distributed import comm
 from ddpkit.distributed.parallel import no_sync, unwrap_model
@@ -34,7 +39,15 @@ from ddpkit.training.profiling import peak_memory_mb
 from ddpkit.training.reporting import Reporter
 from ddpkit.training.stragglers import find_straggler, gather_timings
 
-__all__ = ["Run", "TrainConfig", "TrainingError", "resume_start", "stop_now", "train_epoch"]
+__all__ = [
+    "Run",
+    "TrainConfig",
+    "TrainingError",
+    "optimizer_step",
+    "resume_start",
+    "stop_now",
+    "train_epoch",
+]
 
 logger = logging.getLogger("ddpkit")
 
@@ -51,30 +64,33 @@ class TrainingError(RuntimeError):
 
 @dataclass
 class Run:
-    """What stays the same over the epochs of one ``fit`` call, and the step count."""
+    """What one ``fit`` call trains: the one training state, and how each step runs.
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
+    ``state`` is the bag every checkpoint saves and restores (the model, the
+    optimizer ..., the position, this rank's totals, ``extra``); nothing here
+    keeps a copy of any of it. The step count is ``state.position.step``.
+    """
+
+    state: TrainingState
     criterion: Criterion
     config: TrainConfig
     device: torch.device
-    scaler: torch.amp.GradScaler | None
-    scheduler: Any
     checkpoints: CheckpointManager | None
     control: StepControl
     reporter: Reporter
     watchdog: Any = None
     world_size: int = 1
     rank: int = 0
-    step: int = 0  # optimizer steps since the run began, over all epochs
-    ema: Any = None  # an AveragedModel updated after each optimizer step
     per_step: bool = False  # the scheduler steps after each optimizer step
-    # The training set's size and index digest, recorded in step checkpoints.
+    # The training set's size and index digest, recorded in every position.
     data: tuple[int | None, str | None] = (None, None)
     profiler: Any = None  # a StepProfiler on the ranks that profile, else None
     started: set[int] = field(default_factory=set)  # loaders whose persistent workers run
-    # What every checkpoint records beside the state: the trackers' runs, the configuration.
-    save_extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps since the run began, over all epochs."""
+        return self.state.position.step
 
     def tick(self, phase: str) -> None:
         """Tell the hang watchdog where this rank is."""
@@ -113,34 +129,84 @@ class Run:
             self.started.add(id(loader))
         return loader.num_workers
 
-    def update(
-        self, images: torch.Tensor, targets: torch.Tensor, update: bool, count: int
+    def backward(
+        self, images: torch.Tensor, targets: torch.Tensor, completes: bool, count: int
     ) -> torch.Tensor:
-        """One micro-batch of ``count`` in its step: forward, backward; ``update``: the step."""
-        config, scaler = self.config, self.scaler
-        # Only the micro-step that completes an update all-reduces gradients.
-        with no_sync(self.model, enabled=not update), autocast(self.device, config.amp):
-            loss = self.criterion(self.model(images), targets)
+        """One micro-batch: forward, ``loss / count`` backward; the detached loss.
+
+        ``completes``: this micro-batch completes an optimizer step, so DDP
+        all-reduces the gradients in this backward (the others accumulate
+        under ``no_sync``). The step itself is :func:`optimizer_step`.
+        """
+        config, scaler = self.config, self.state.scaler
+        with no_sync(self.state.model, enabled=not completes), autocast(self.device, config.amp):
+            loss = self.criterion(self.state.model(images), targets)
         # Dividing by 1 would add a kernel and an autograd node to every step.
         scaled = loss / count if count > 1 else loss
         if scaler is not None:
-            scaler.scale(scaled).backward()  # type: ignore[no-untyped-call]
+            scaler.scale(scaled).backward()
         else:
             scaled.backward()  # type: ignore[no-untyped-call]
-        if update:
-            if config.clip_grad_norm is not None:
-                if scaler is not None:
-                    scaler.unscale_(self.optimizer)
-                nn.utils.clip_grad_norm_(self.model.parameters(), config.clip_grad_norm)
-            if scaler is not None:
-                scaler.step(self.optimizer)
-                scaler.update()
-            else:
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.ema is not None:
-                self.ema.update_parameters(unwrap_model(self.model))
         return loss.detach()
+
+
+def optimizer_step(run: Run, position: Position, last: bool, totals: _Totals) -> None:
+    """Take the optimizer step the accumulated gradients make; every step goes through here.
+
+    Clip (after unscaling, with a GradScaler), step (through the scaler),
+    zero the gradients, update the average, then count: the bound state's
+    position becomes ``position`` (whose ``step`` is this one's), the
+    per-step scheduler steps, the watchdog hears of it, and every rank asks
+    once whether to save a step checkpoint or stop (:func:`between_steps`).
+    ``last``: the epoch's last step, whose checkpoint is the epoch's own.
+    All ranks must call this for the same steps, or the question deadlocks.
+
+    Raises:
+        Preempted: a stop signal: every rank stopped after this step, saved.
+        CheckpointError: a background checkpoint write failed on some rank.
+    """
+    state, config = run.state, run.config
+    optimizer, scaler = state.optimizer, state.scaler
+    if config.clip_grad_norm is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(state.model.parameters(), config.clip_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    ema: Any = state.ema  # an AveragedModel (ddpkit.model_ema)
+    if ema is not None:
+        ema.update_parameters(unwrap_model(state.model))
+    state.position = position
+    if state.scheduler is not None and run.per_step:
+        state.scheduler.step()
+    run.tick("done")
+    if run.profiler is not None:
+        run.profiler.at(position.step)
+    between_steps(run, last, totals)
+
+
+def between_steps(run: Run, last: bool, totals: _Totals) -> None:
+    """After an optimizer step: the one question (save? stop?) and what its answer asks.
+
+    The answer is the same on every rank: a step checkpoint of the bound
+    state (none after the epoch's last step, whose checkpoint is the
+    epoch's), or a stop, with ``interrupted.pth``.
+    """
+    manager = run.checkpoints
+    if manager is not None and manager.write_error is not None:
+        error = manager.write_error
+        run.control.request_stop(f"rank {run.rank}: {type(error).__name__}: {error}")
+    actions = run.control.after_step(run.step)
+    if actions.stop is not None:
+        stop_now(run, actions.stop, totals.as_loop())
+    if manager is not None and not last and actions.save:
+        run.tick("save")
+        run.state.loop = totals.as_loop()
+        manager.checkpoint("step", block=False)
 
 
 def train_epoch(
@@ -149,6 +215,11 @@ def train_epoch(
     """Train ``epoch`` from ``start`` (its beginning when None); return the epoch's record.
 
     ``carried`` is this rank's running totals saved with ``start`` (or None).
+    The epoch's last micro-batch always completes an optimizer step, also
+    when a loader without a length ends in the middle of gradient
+    accumulation (one batch is read ahead to know): its gradient is
+    all-reduced, scaled to the mean of the micro-batches it holds, clipped
+    and stepped like any other, and the step is counted and may checkpoint.
 
     Raises:
         Preempted: a stop signal: every rank stopped after the same step and
@@ -157,8 +228,9 @@ def train_epoch(
         TrainingError: a non-finite loss.
     """
     part = epoch_batches(loader, epoch, start, world_size=run.world_size, rank=run.rank)
-    run.model.train()
-    config, dev, world = run.config, run.device, run.world_size
+    state, config, dev, world = run.state, run.config, run.device, run.world_size
+    state.model.train()
+    accum = config.grad_accum
     per_rank = loader.batch_size if isinstance(loader, DataLoader) else None
     totals = _Totals.carried_over(carried or {}, dev)
     if dev.type == "cuda":  # the record's peak memory is this epoch's
@@ -167,49 +239,66 @@ def train_epoch(
     # Samples of the epoch consumed by all ranks, as a resume counts them.
     consumed = start.samples if start is not None and start.epoch == epoch else 0
     batch = part.done - 1  # the index in the epoch of the micro-batch being trained
-    rate = run.optimizer.param_groups[0]["lr"]
+    rate = state.optimizer.param_groups[0]["lr"]
     # The rest of a resumed epoch may come from a loader of its own, with its own workers.
     source = part.batches if isinstance(part.batches, DataLoader) else loader
-    batches = run.watched(source, part.batches, "data", "compute")
-    for taken, (images, targets) in enumerate(totals.timed(batches)):
+    batches = totals.timed(run.watched(source, part.batches, "data", "compute"))
+    for taken, ((images, targets), last) in enumerate(_with_last(batches, part.total, part.done)):
         batch += 1
         images, targets = to_device(images, targets, dev, config.normalize)
         if config.channels_last and images.dim() == 4:
             images = images.contiguous(memory_format=torch.channels_last)
         if config.batch_transform is not None:
             images, targets = config.batch_transform(images, targets)
-        last = part.total is not None and batch + 1 == part.total
-        update = (batch + 1) % config.grad_accum == 0 or last
-        group = _group_size(batch, part.total, config.grad_accum)
-        loss = run.update(images, targets, update, group)
+        completes = (batch + 1) % accum == 0 or last
+        count = _group_size(batch, part.total, accum)
+        loss = run.backward(images, targets, completes, count)
         size = targets.shape[0]
         totals.add(loss, size)
         progress.finite.add(batch, loss)
         consumed += part.step_samples[taken] if part.step_samples else (per_rank or size) * world
-        if update:
-            run.step += 1
-            rate = run.optimizer.param_groups[0]["lr"]  # the rate this step used
-            if run.scheduler is not None and run.per_step:
-                run.scheduler.step()
-            run.tick("done")
-            if run.profiler is not None:
-                run.profiler.at(run.step)
-            position = Position(epoch, batch + 1, consumed, run.step, world, *run.data)
-            _between_steps(run, position, last, totals.as_loop)
+        if completes:
+            held = batch % accum + 1  # micro-batches in this step
+            if held < count:  # an unsized epoch ended early: the mean of those it holds
+                _scale_gradients(state.model, count / held)
+            rate = state.optimizer.param_groups[0]["lr"]  # the rate this step uses
+            position = Position(epoch, batch + 1, consumed, run.step + 1, world, *run.data)
+            optimizer_step(run, position, last, totals)
         progress.show(batch, last, totals)
     # Up to the next epoch's first batch (the totals' all-reduce, then fit's validation, report,
     # callbacks and checkpoint) the rank is at the epoch's end, which the watchdog orders after
     # the epoch's steps and before the next epoch's, at one and the same step count.
     run.tick("epoch_end")
-    if batch >= part.done and (batch + 1) % config.grad_accum != 0 and part.total is None:
-        # An unsized loader ended mid-accumulation: apply what was accumulated.
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        if run.ema is not None:
-            run.ema.update_parameters(unwrap_model(run.model))
     seconds = totals.seconds()
     progress.close(epoch)
     return totals.record(epoch, rate, seconds, dev) | {"peak_memory_mb": totals.peak_mb}
+
+
+def _with_last(batches: Iterator[Any], total: int | None, done: int) -> Iterator[tuple[Any, bool]]:
+    """Each batch with whether it is the epoch's last.
+
+    With a length the count says so; without one the next batch is read
+    before this one is yielded (a loader's own workers prefetch anyway).
+    """
+    if total is not None:
+        for index, item in enumerate(batches, done + 1):
+            yield item, index == total
+        return
+    held = next(batches, _END)
+    while held is not _END:
+        following = next(batches, _END)
+        yield held, following is _END
+        held = following
+
+
+_END = object()
+
+
+def _scale_gradients(model: nn.Module, factor: float) -> None:
+    """Multiply every gradient by ``factor`` (after the all-reduce: the same on every rank)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
 
 
 class _Totals:
@@ -412,27 +501,12 @@ def _group_size(index: int, total: int | None, accum: int) -> int:
     return min(accum, total - first)
 
 
-def _between_steps(
-    run: Run, position: Position, last: bool, totals: Callable[[], dict[str, Any]]
-) -> None:
-    manager = run.checkpoints
-    if manager is not None and manager.write_error is not None:
-        error = manager.write_error
-        run.control.request_stop(f"rank {run.rank}: {type(error).__name__}: {error}")
-    actions = run.control.after_step(run.step)
-    if actions.stop is not None:
-        stop_now(run, actions.stop, position, totals())
-    # The epoch's own checkpoint follows its last step: no step checkpoint there.
-    if manager is not None and not last and actions.save:
-        run.tick("save")
-        manager.save_step(position, loop=totals(), block=False, extra=run.save_extra)
-        run.control.saved()
-
-
-def stop_now(run: Run, stop: Stop, position: Position | None, totals: Any) -> None:
+def stop_now(run: Run, stop: Stop, totals: dict[str, Any] | None) -> None:
     """End training on every rank: save ``interrupted.pth`` for a signal, raise either way.
 
-    ``position`` None: the epoch's checkpoint just taken is the one to resume from.
+    ``totals``: this rank's running totals in the middle of an epoch (the bound
+    state's position is the step just taken); None at an epoch's end, whose
+    checkpoint, just taken, is the one to resume from.
     """
     manager = run.checkpoints
     if stop.kind == "error":
@@ -444,10 +518,9 @@ def stop_now(run: Run, stop: Stop, position: Position | None, totals: Any) -> No
         )
     path = None
     if manager is not None:
-        if position is not None:
-            path = manager.save_step(
-                position, kind="interrupted", loop=totals, extra=run.save_extra
-            )
+        if totals is not None:
+            run.state.loop = totals
+            path = manager.checkpoint("interrupted")
         else:
             manager.flush()
             path = manager.latest_path if manager.writes else None

@@ -199,151 +199,181 @@ def fit(
         raise ValueError("resume=True needs checkpoints=CheckpointManager(directory)")
     dev = torch.device(config.device) if config.device is not None else module_device(model)
     scaler = torch.amp.GradScaler(dev.type) if config.amp == "fp16" else None
-    world, rank = comm.get_world_size(), comm.get_rank()
-    start, carried = None, None
-    if checkpoints is not None:  # what every save and the resume read and load, bound once
-        checkpoints.bind(TrainingState(model, optimizer, scheduler, scaler, ema))
-    if resume is not False and checkpoints is not None:
-        path = None if resume is True else resume
-        checkpoints.resume(path=path, strict_rng=False)
-        start = resume_start(checkpoints, train_loader, world, faults.on_data_change, scheduler)
-        carried = _carried(checkpoints.loop, start, world, rank)
-    if checkpoints is not None and start is None:  # a fresh run: refused before it trains
-        dest, writes = checkpoints.directory, checkpoints.writes
-        claim_directory(dest, writes=writes, overwrite=checkpoints.overwrite)
+    # The one bag every step updates and every checkpoint saves: nothing else holds a copy.
+    state = TrainingState(model, optimizer, scheduler, scaler, ema)
     history = History()
-    store = _control_store(world, rank)
-    control = StepControl(  # decides every save between steps, and every stop
-        signals=faults.stop_signals,
-        store=store,
-        rank=rank,
-        world_size=world,
-        cadence=checkpoints.cadence if checkpoints is not None else None,
-    )
     with contextlib.ExitStack() as stack:
-        stack.enter_context(control)
-        watchdog = None
-        if faults.hang_timeout is not None:
-            from ddpkit.distributed.watchdog import (
-                HangWatchdog,  # its thread and store client: only if asked
-            )
-
-            where = faults.report_dir or (checkpoints.directory if checkpoints else report.log_dir)
-            if where is not None and dev.type == "cuda":
-                restore = point_dumps(where)  # NCCL's own dump on a collective timeout
-                stack.callback(restore_environ, restore)
-            watchdog = stack.enter_context(
-                HangWatchdog(
-                    timeout=faults.hang_timeout,
-                    report_dir=where,
-                    report_signal=faults.report_signal,
-                )
-            )
-        reporter = Reporter(report, is_main=comm.is_main_process())
-        run: Run | None = None
-
-        def close_reporter() -> None:
-            # The trackers' last records have a deadline of their own: not the watchdog's.
-            if watchdog is not None and run is not None:
-                watchdog.progress(run.step, "trackers")
-            reporter.close()
-
-        stack.callback(close_reporter)
-        header = _header(
-            world, epochs, config, val_loader if val_loader is not None else train_loader
+        # Set-up: resume, the agreement on saves and stops, the watchdog, the reporter.
+        start, carried = _resume(state, checkpoints, resume, train_loader, faults)
+        run = _start(
+            stack, state, criterion, config, dev, checkpoints, report, faults, train_loader
         )
-        resumed = checkpoints.resumed_extra if checkpoints is not None and start else {}
-        saved_runs, saved_ledger = resumed.get("trackers"), resumed.get("tracker_ledger")
-        failure: TrackerError | None = None
+        _open_report(run, report, start, epochs, train_loader, val_loader)
         try:
-            runs = reporter.start(
-                header,
-                resumed=start is not None,
-                tracker_runs=saved_runs if isinstance(saved_runs, dict) else None,
-                done_epochs=start.epoch if start is not None else 0,
-                tracker_ledger=saved_ledger if isinstance(saved_ledger, dict) else None,
-            )
-        except TrackerError as exc:  # rank 0's: every rank stops before training
-            runs, failure = {}, exc
-        if reporter.tracker_names and world > 1:  # every node's checkpoint copy records them
-            runs, said = comm.all_gather_object((runs, str(failure or "") or None))[0]
-            if said is not None and failure is None:
-                failure = TrackerError(f"rank 0: {said}")
-        if failure is not None:
-            raise failure
-        if start is not None and start.epoch >= epochs:
-            reporter.say(f"nothing to do: finished at epoch {start.epoch} of {epochs}")
-        elif start is not None:
-            reporter.say(
-                f"resuming at epoch {start.epoch + 1} step {start.step} "
-                f"({start.batches} batches of the epoch done)"
-            )
-        _check_batches(train_loader, world)
-        per_step = config.scheduler_per_step or bool(getattr(scheduler, "per_step", False))
-        run = Run(
-            model,
-            optimizer,
-            criterion,
-            config,
-            dev,
-            scaler,
-            scheduler,
-            checkpoints,
-            control,
-            reporter,
-            watchdog,
-            world,
-            rank,
-            start.step if start is not None else 0,
-            ema,
-            per_step,
-        )
-        steps = report.profile_steps
-        if steps is not None and (report.profile_ranks is None or rank in report.profile_ranks):
-            assert report.log_dir is not None  # ReportConfig checks it
-            where = os.path.join(report.log_dir, "profile")
-            run.profiler = StepProfiler(steps[0], steps[1], where, rank, dev)
-            stack.callback(run.profiler.close)  # a run that ends inside the range
-            run.profiler.at(run.step)
-        if checkpoints is not None:
-            run.data = data_identity(getattr(train_loader, "dataset", None))
-            # Every checkpoint records the trackers' runs and the run's configuration: a
-            # resumed job continues those runs, and the configuration it was trained with.
-            if runs:
-                run.save_extra["trackers"] = runs
-            if report.run_config is not None:
-                run.save_extra["config"] = dict(report.run_config)
-        try:
+            # The epochs.
             first = start.epoch if start is not None else 0
             for epoch in range(first, epochs):
                 began = time.perf_counter()
-                record = train_epoch(
-                    run, train_loader, epoch, epochs, start, carried if epoch == first else None
-                )
+                carry = carried if epoch == first else None
+                record = train_epoch(run, train_loader, epoch, epochs, start, carry)
                 _finish_epoch(run, record, epoch, epochs, val_loader, callbacks, history, began)
-            best = None
-            if checkpoints is not None:
-                checkpoints.flush()  # every rank learns whether the last write failed
-                if (checkpoints.directory / BEST).exists():
-                    best = str(checkpoints.directory / BEST)
-            # The summary, the plot and the trackers' end, on rank 0 while the others may
-            # have left: bounded by the trackers' own deadline, not the watchdog's.
-            run.tick("trackers")
-            reporter.finish(history.records, best)
+            # The end.
+            _end(run, history)
         except BaseException as error:
-            if checkpoints is not None:
-                checkpoints.wait(raise_error=False)  # the file being written is completed
-            where = faults.report_dir or (checkpoints.directory if checkpoints else report.log_dir)
-            if world > 1 and where is not None and is_collective_failure(error):
-                try:
-                    path = report_collective_failure(where, rank, world, error, dist.get_backend())
-                except Exception as failed:  # the report must never hide the error it explains
-                    logger.warning("rank %d: no collective report (%s)", rank, failed)
-                else:
-                    if path is not None:
-                        logger.error("rank %d: its last collectives and stack: %s", rank, path)
+            _explain(run, error, _report_dir(faults, checkpoints, report))
             raise
     return history
+
+
+def _resume(
+    state: TrainingState,
+    checkpoints: CheckpointManager | None,
+    resume: bool | str | os.PathLike[str],
+    loader: Iterable[Any],
+    faults: FaultConfig,
+) -> tuple[Position | None, Any]:
+    """Bind the state; resume it when asked, or claim the directory for a fresh run.
+
+    Returns where training starts (None: the beginning) and this rank's
+    running totals of that epoch.
+    """
+    state.position = Position(world_size=comm.get_world_size())
+    if checkpoints is None:
+        return None, None
+    checkpoints.bind(state)
+    start, carried = None, None
+    world, rank = comm.get_world_size(), comm.get_rank()
+    if resume is not False:
+        checkpoints.resume(path=None if resume is True else resume, strict_rng=False)
+        start = resume_start(checkpoints, loader, world, faults.on_data_change, state.scheduler)
+        carried = _carried(checkpoints.loop, start, world, rank)
+    if start is None:  # a fresh run: refused before it trains
+        dest, writes = checkpoints.directory, checkpoints.writes
+        claim_directory(dest, writes=writes, overwrite=checkpoints.overwrite)
+    else:  # on_data_change="next_epoch" may have moved it on
+        state.position = start
+    return start, carried
+
+
+def _start(
+    stack: contextlib.ExitStack,
+    state: TrainingState,
+    criterion: Criterion,
+    config: TrainConfig,
+    dev: torch.device,
+    checkpoints: CheckpointManager | None,
+    report: ReportConfig,
+    faults: FaultConfig,
+    loader: Iterable[Any],
+) -> Run:
+    """The run: the agreement on saves and stops, the watchdog, the reporter, all on ``stack``."""
+    world, rank = comm.get_world_size(), comm.get_rank()
+    control = StepControl(  # the one question after every step: save? stop?
+        signals=faults.stop_signals,
+        store=_control_store(world, rank),
+        rank=rank,
+        world_size=world,
+        cadence=checkpoints,  # the manager owns the cadence and its clock
+    )
+    stack.enter_context(control)
+    watchdog = None
+    if faults.hang_timeout is not None:
+        from ddpkit.distributed.watchdog import HangWatchdog  # its thread: only if asked
+
+        where = _report_dir(faults, checkpoints, report)
+        if where is not None and dev.type == "cuda":
+            restore = point_dumps(where)  # NCCL's own dump on a collective timeout
+            stack.callback(restore_environ, restore)
+        watchdog = stack.enter_context(
+            HangWatchdog(
+                timeout=faults.hang_timeout, report_dir=where, report_signal=faults.report_signal
+            )
+        )
+    reporter = Reporter(report, is_main=comm.is_main_process())
+    run = Run(
+        state=state,
+        criterion=criterion,
+        config=config,
+        device=dev,
+        checkpoints=checkpoints,
+        control=control,
+        reporter=reporter,
+        watchdog=watchdog,
+        world_size=world,
+        rank=rank,
+        per_step=config.scheduler_per_step or bool(getattr(state.scheduler, "per_step", False)),
+    )
+    if checkpoints is not None:  # every position records the data it is a position in
+        run.data = data_identity(getattr(loader, "dataset", None))
+    # The trackers' last records have a deadline of their own: not the watchdog's.
+    stack.callback(_close_reporter, run)
+    steps = report.profile_steps
+    if steps is not None and (report.profile_ranks is None or rank in report.profile_ranks):
+        assert report.log_dir is not None  # ReportConfig checks it
+        where = os.path.join(report.log_dir, "profile")
+        run.profiler = StepProfiler(steps[0], steps[1], where, rank, dev)
+        stack.callback(run.profiler.close)  # a run that ends inside the range
+        run.profiler.at(run.step)
+    return run
+
+
+def _close_reporter(run: Run) -> None:
+    run.tick("trackers")
+    run.reporter.close()
+
+
+def _open_report(
+    run: Run,
+    report: ReportConfig,
+    start: Position | None,
+    epochs: int,
+    train_loader: Iterable[Any],
+    val_loader: Iterable[Any] | None,
+) -> None:
+    """Start the trackers' runs (continued on a resume) and say where training starts.
+
+    Raises:
+        TrackerError: (every rank) a tracker asked for cannot start its run.
+        ValueError: the training loader yields no batch.
+    """
+    reporter, checkpoints, world = run.reporter, run.checkpoints, run.world_size
+    header = _header(
+        world, epochs, run.config, val_loader if val_loader is not None else train_loader
+    )
+    resumed = checkpoints.resumed_extra if checkpoints is not None and start else {}
+    saved_runs, saved_ledger = resumed.get("trackers"), resumed.get("tracker_ledger")
+    failure: TrackerError | None = None
+    try:
+        runs = reporter.start(
+            header,
+            resumed=start is not None,
+            tracker_runs=saved_runs if isinstance(saved_runs, dict) else None,
+            done_epochs=start.epoch if start is not None else 0,
+            tracker_ledger=saved_ledger if isinstance(saved_ledger, dict) else None,
+        )
+    except TrackerError as exc:  # rank 0's: every rank stops before training
+        runs, failure = {}, exc
+    if reporter.tracker_names and world > 1:  # every node's checkpoint copy records them
+        runs, said = comm.all_gather_object((runs, str(failure or "") or None))[0]
+        if said is not None and failure is None:
+            failure = TrackerError(f"rank 0: {said}")
+    if failure is not None:
+        raise failure
+    if start is not None and start.epoch >= epochs:
+        reporter.say(f"nothing to do: finished at epoch {start.epoch} of {epochs}")
+    elif start is not None:
+        reporter.say(
+            f"resuming at epoch {start.epoch + 1} step {start.step} "
+            f"({start.batches} batches of the epoch done)"
+        )
+    _check_batches(train_loader, world)
+    if checkpoints is not None:
+        # Every checkpoint records the trackers' runs and the run's configuration: a
+        # resumed job continues those runs, and the configuration it was trained with.
+        if runs:
+            run.state.extra["trackers"] = runs
+        if report.run_config is not None:
+            run.state.extra["config"] = dict(report.run_config)
 
 
 def _finish_epoch(
@@ -357,12 +387,13 @@ def _finish_epoch(
     began: float,
 ) -> None:
     """Validate, step the scheduler, report, save the epoch checkpoint, stop if asked."""
-    config = run.config
+    state, config = run.state, run.config
+    ema: Any = state.ema  # an AveragedModel (ddpkit.model_ema)
     # Each rank's BatchNorm statistics moved with its own last batches: from here on
     # every rank holds rank 0's, the model (and average) validated is the one saved.
-    sync_buffers(run.model)
-    if run.ema is not None:
-        sync_ema_buffers(run.ema)
+    sync_buffers(state.model)
+    if ema is not None:
+        sync_ema_buffers(ema)
     if val_loader is not None:
         measure = functools.partial(
             evaluate,
@@ -372,14 +403,14 @@ def _finish_epoch(
             device=run.device,
         )
         watched = functools.partial(run.watched, val_loader, val_loader, "val_data", "validate")
-        record.update(_val_record(measure(run.model, watched()), val_loader))
-        if run.ema is not None:
-            averaged = measure(run.ema.module, watched())
+        record.update(_val_record(measure(state.model, watched()), val_loader))
+        if ema is not None:
+            averaged = measure(ema.module, watched())
             keys = ("acc1", "acc5", "loss") if "val_acc5" in record else ("acc1", "loss")
             record.update({f"val_ema_{k}": averaged[k] for k in keys})
     run.tick("callbacks")  # the report and the callbacks: the watchdog places them apart
-    if run.scheduler is not None and not run.per_step:
-        run.scheduler.step()
+    if state.scheduler is not None and not run.per_step:
+        state.scheduler.step()
     record["wall_seconds"] = time.perf_counter() - began
     history.records.append(record)
     run.reporter.epoch(record, epochs, run.step)
@@ -389,20 +420,56 @@ def _finish_epoch(
         ledger = run.reporter.tracker_ledger()
         if run.world_size > 1:  # every node's copy carries rank 0's
             ledger = comm.all_gather_object(ledger)[0]
-        run.save_extra["tracker_ledger"] = ledger
+        state.extra["tracker_ledger"] = ledger
     for callback in callbacks:
         callback(record)
+    state.position = Position(epoch + 1, 0, 0, run.step, run.world_size, *run.data)
     manager = run.checkpoints
     if manager is not None:
         run.tick("save")
         metrics = {"acc1": record.get("val_acc1", 0.0), "loss": record["train_loss"]}
         if "val_ema_acc1" in record:
             metrics["ema_acc1"] = record["val_ema_acc1"]
-        manager.save(epoch, metrics=metrics, step=run.step, block=False, extra=run.save_extra)
-        run.control.saved()
+        manager.checkpoint("epoch", metrics=metrics, block=False)
     stop = run.control.stop_at_epoch_end()
     if stop is not None:
-        stop_now(run, stop, None, None)
+        stop_now(run, stop, None)
+
+
+def _end(run: Run, history: History) -> None:
+    """Wait for the last checkpoint on every rank, then the summary, the plot, the trackers' end."""
+    best = None
+    checkpoints = run.checkpoints
+    if checkpoints is not None:
+        checkpoints.flush()  # every rank learns whether the last write failed
+        if (checkpoints.directory / BEST).exists():
+            best = str(checkpoints.directory / BEST)
+    # On rank 0 while the others may have left: bounded by the trackers' own deadline,
+    # not the watchdog's.
+    run.tick("trackers")
+    run.reporter.finish(history.records, best)
+
+
+def _explain(run: Run, error: BaseException, where: str | os.PathLike[str] | None) -> None:
+    """Complete the checkpoint being written; for a failed collective, this rank's report."""
+    if run.checkpoints is not None:
+        run.checkpoints.wait(raise_error=False)  # the file being written is completed
+    if run.world_size > 1 and where is not None and is_collective_failure(error):
+        try:
+            backend = dist.get_backend()
+            path = report_collective_failure(where, run.rank, run.world_size, error, backend)
+        except Exception as failed:  # the report must never hide the error it explains
+            logger.warning("rank %d: no collective report (%s)", run.rank, failed)
+        else:
+            if path is not None:
+                logger.error("rank %d: its last collectives and stack: %s", run.rank, path)
+
+
+def _report_dir(
+    faults: FaultConfig, checkpoints: CheckpointManager | None, report: ReportConfig
+) -> str | os.PathLike[str] | None:
+    """Where the hang and collective reports go: asked, else the checkpoints', else the logs'."""
+    return faults.report_dir or (checkpoints.directory if checkpoints else report.log_dir)
 
 
 def _val_record(val: dict[str, Any], loader: Iterable[Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from corpus import dead_pid, image_tree, leftover_name, small_disk, snapshot
 from torch import nn
 
 from ddpkit import CheckpointError, CheckpointManager, load_checkpoint, save_checkpoint
+from ddpkit.checkpoint import TrainingState
 from ddpkit.data import build_lmdb
 from ddpkit.testing import run_distributed
 
@@ -47,14 +48,14 @@ def test_bit_rot_in_a_tensor_is_caught_not_loaded(tmp_path: Path) -> None:
 
 
 def test_resume_falls_back_when_latest_rotted(tmp_path: Path) -> None:
-    manager = CheckpointManager(tmp_path, keep_last=2)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    manager.save(0, model, optimizer, metrics={"acc1": 1.0})
-    manager.save(1, model, optimizer, metrics={"acc1": 2.0})
+    manager = CheckpointManager(tmp_path, keep_last=2, state=TrainingState(model, optimizer))
+    manager.save(0, metrics={"acc1": 1.0})
+    manager.save(1, metrics={"acc1": 2.0})
     _rot(tmp_path / "latest.pth", "data/0")
     with pytest.warns(RuntimeWarning, match="CRC"):
-        start = CheckpointManager(tmp_path).resume(model, optimizer)
+        start = CheckpointManager(tmp_path, state=TrainingState(model, optimizer)).resume()
     assert start == 1  # previous.pth: epoch 0
 
 
@@ -140,11 +141,11 @@ def test_leftovers_of_killed_saves_are_removed_by_the_next_save(tmp_path: Path) 
 
 
 def test_a_damaged_compression_field_is_a_checkpoint_error(tmp_path: Path) -> None:
-    manager = CheckpointManager(tmp_path)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    manager.save(0, model, optimizer)
-    manager.save(1, model, optimizer)
+    manager = CheckpointManager(tmp_path, state=TrainingState(model, optimizer))
+    manager.save(0)
+    manager.save(1)
     latest = tmp_path / "latest.pth"
     data = bytearray(latest.read_bytes())
     central = data.index(b"PK\x01\x02")  # the first central directory entry
@@ -153,7 +154,7 @@ def test_a_damaged_compression_field_is_a_checkpoint_error(tmp_path: Path) -> No
     with pytest.raises(CheckpointError, match="damaged"):
         load_checkpoint(latest)
     with pytest.warns(RuntimeWarning, match="damaged"):
-        assert CheckpointManager(tmp_path).resume(model, optimizer) == 1
+        assert CheckpointManager(tmp_path, state=TrainingState(model, optimizer)).resume() == 1
 
 
 def test_other_failures_are_not_called_a_full_disk(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from ddpkit import (
     save_checkpoint,
     wrap_ddp,
 )
+from ddpkit.checkpoint import TrainingState
 from ddpkit.testing import run_distributed
 
 
@@ -232,11 +233,11 @@ def test_every_field_of_the_position_is_checked(
     bad = tampered(lambda state: state["position"].__setitem__(field, value))
     assert load_checkpoint(bad)["position"][field] == value
     with pytest.raises(CheckpointError) as info:  # the file named
-        CheckpointManager(tmp_path / "x").resume(_net(), path=bad)
+        CheckpointManager(tmp_path / "x", state=TrainingState(_net())).resume(path=bad)
     assert str(bad) in str(info.value), str(info.value)
     assert said in str(info.value), str(info.value)
     with pytest.raises(CheckpointError, match="position") as scanned:  # the directory scanned
-        CheckpointManager(bad.parent).resume(_net())
+        CheckpointManager(bad.parent, state=TrainingState(_net())).resume()
     assert bad.name in str(scanned.value)
     assert said in str(scanned.value)
 
@@ -247,7 +248,7 @@ def test_a_missing_field_of_the_position_is_named(
 ) -> None:
     bad = tampered(lambda state: state["position"].pop(field))
     with pytest.raises(CheckpointError, match=f"the position lacks its '{field}' field"):
-        CheckpointManager(tmp_path / "x").resume(_net(), path=bad)
+        CheckpointManager(tmp_path / "x", state=TrainingState(_net())).resume(path=bad)
 
 
 @pytest.mark.parametrize(
@@ -263,7 +264,7 @@ def test_a_position_that_is_not_a_dict_is_named(
 ) -> None:
     bad = tampered(lambda state: state.__setitem__("position", value))
     with pytest.raises(CheckpointError, match=said):
-        CheckpointManager(tmp_path / "x").resume(_net(), path=bad)
+        CheckpointManager(tmp_path / "x", state=TrainingState(_net())).resume(path=bad)
 
 
 @pytest.mark.parametrize(
@@ -277,7 +278,7 @@ def test_a_position_that_is_not_a_dict_is_named(
 def test_the_kind_is_checked(tmp_path: Path, tampered: Any, kind: Any, said: str) -> None:
     bad = tampered(lambda state: state.__setitem__("kind", kind))
     with pytest.raises(CheckpointError) as info:
-        CheckpointManager(tmp_path / "x").resume(_net(), path=bad)
+        CheckpointManager(tmp_path / "x", state=TrainingState(_net())).resume(path=bad)
     assert said in str(info.value)
     assert str(bad) in str(info.value)
 
@@ -352,7 +353,7 @@ def test_every_malformed_rng_entry_is_named(
     bad = tampered(change)
     before = torch.get_rng_state()
     with pytest.raises(CheckpointError) as info:
-        CheckpointManager(tmp_path / "x").resume(_net(), path=bad)
+        CheckpointManager(tmp_path / "x", state=TrainingState(_net())).resume(path=bad)
     message = str(info.value)
     assert str(bad) in message, message
     assert "rng" in message.lower(), message
@@ -362,7 +363,7 @@ def test_every_malformed_rng_entry_is_named(
 
 def _rng_job(rank: int, world: int, path: str) -> str:
     try:
-        CheckpointManager(Path(path).parent / "x").resume(_net(), path=path)
+        CheckpointManager(Path(path).parent / "x", state=TrainingState(_net())).resume(path=path)
     except CheckpointError as exc:
         return str(exc)
     return "resumed"
@@ -405,7 +406,7 @@ def test_missing_and_unexpected_keys_are_named(tmp_path: Path) -> None:
         nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)
     )
     with pytest.raises(CheckpointError) as info:
-        CheckpointManager(tmp_path).resume(other)
+        CheckpointManager(tmp_path, state=TrainingState(other)).resume()
     message = str(info.value)
     assert "missing from the file (2): 4.weight, 4.bias" in message, message
     assert "shapes differ: 2.weight (file [3, 16], model [16, 16])" in message
@@ -443,7 +444,7 @@ def test_a_resume_path_that_is_not_a_checkpoint_says_what_it_is(
         make(path)
     assert name != "best.pth" or path.is_file()
     with pytest.raises(CheckpointError) as info:
-        CheckpointManager(tmp_path / "other").resume(_net(), path=path)
+        CheckpointManager(tmp_path / "other", state=TrainingState(_net())).resume(path=path)
     message = str(info.value)
     assert f"resume: {path} is not a checkpoint on any rank: on rank 0 " in message
     assert said in message, message

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit import CheckpointError, CheckpointManager, load_checkpoint
+from ddpkit.checkpoint import TrainingState
 from ddpkit.position import Position
 from ddpkit.testing import run_distributed
 
@@ -52,7 +53,8 @@ def _save_then_resume(rank: int, world_size: int, directory: str) -> dict[str, A
     torch.manual_seed(100 + rank)  # each rank draws different data and RNG states
     random.seed(100 + rank)
     np.random.seed(100 + rank)
-    manager = CheckpointManager(directory, prefix="net", keep_last=2)
+    state = TrainingState(ddp, optimizer, scheduler, scaler)
+    manager = CheckpointManager(directory, prefix="net", keep_last=2, state=state)
     returned = []
     for epoch, acc1 in enumerate(ACCURACIES, start=1):
         ddp(torch.randn(8, 4)).pow(2).mean().backward()
@@ -60,7 +62,7 @@ def _save_then_resume(rank: int, world_size: int, directory: str) -> dict[str, A
         optimizer.zero_grad()
         scheduler.step()
         metrics = {"acc1": acc1, "loss": 1.0 / epoch}
-        returned.append(manager.save(epoch, ddp, optimizer, scheduler, scaler, metrics=metrics))
+        returned.append(manager.save(epoch, metrics=metrics))
     saved = {
         "returned": [str(p) if p else None for p in returned],
         "best": manager.best_acc1,
@@ -69,8 +71,9 @@ def _save_then_resume(rank: int, world_size: int, directory: str) -> dict[str, A
     }
     # A restart: new objects, another seed, a new manager on the same directory.
     model, optimizer, scheduler, scaler = _setup(9)
-    manager = CheckpointManager(directory, prefix="net", keep_last=2)
-    start = manager.resume(DistributedDataParallel(model), optimizer, scheduler, scaler)
+    state = TrainingState(DistributedDataParallel(model), optimizer, scheduler, scaler)
+    manager = CheckpointManager(directory, prefix="net", keep_last=2, state=state)
+    start = manager.resume()
     resumed = {
         "start": start,
         "best": manager.best_acc1,
@@ -138,26 +141,28 @@ def test_resume_with_another_world_size(two_rank_run: tuple[Path, list[dict[str,
     directory, results = two_rank_run
     saved = results[0]["saved"]
     model, optimizer, scheduler, scaler = _setup(9)
-    manager = CheckpointManager(directory, prefix="net")
+    state = TrainingState(model, optimizer, scheduler, scaler)
+    manager = CheckpointManager(directory, prefix="net", state=state)
     with pytest.raises(CheckpointError, match=r"RNG states for 2 ranks.*has 1.*strict_rng=False"):
-        manager.resume(model, optimizer, scheduler, scaler)
+        manager.resume()
     assert _snapshot(model, optimizer, scheduler, scaler) != saved["state"]  # untouched
     rng_before = torch.get_rng_state()
     with pytest.warns(RuntimeWarning, match="without restoring RNG"):
-        assert manager.resume(model, optimizer, scheduler, scaler, strict_rng=False) == 6
+        assert manager.resume(strict_rng=False) == 6
     assert _snapshot(model, optimizer, scheduler, scaler) == saved["state"]
     assert torch.equal(torch.get_rng_state(), rng_before)
 
 
 def _save_one_process(directory: Path, accuracies: list[float], keep_last: int) -> list[Any]:
     model, optimizer, scheduler, scaler = _setup(1)
-    manager = CheckpointManager(directory, keep_last=keep_last)
+    state = TrainingState(model, optimizer, scheduler, scaler)
+    manager = CheckpointManager(directory, keep_last=keep_last, state=state)
     weights = []
     for epoch, acc1 in enumerate(accuracies):
         with torch.no_grad():
             model.weight.add_(1.0)
         weights.append(model.weight.detach().clone())
-        manager.save(epoch, model, optimizer, scheduler, scaler, metrics={"acc1": acc1})
+        manager.save(epoch, metrics={"acc1": acc1})
     return weights
 
 
@@ -175,13 +180,14 @@ def test_damaged_latest_falls_back_to_previous(tmp_path: Path) -> None:
     latest.write_bytes(latest.read_bytes()[:500])  # a truncated write
 
     model, optimizer, scheduler, scaler = _setup(2)
-    manager = CheckpointManager(tmp_path, keep_last=1)
+    state = TrainingState(model, optimizer, scheduler, scaler)
+    manager = CheckpointManager(tmp_path, keep_last=1, state=state)
     with pytest.warns(RuntimeWarning, match=r"latest\.pth is damaged"):
-        assert manager.resume(model, optimizer, scheduler, scaler) == 3  # from epoch 2
+        assert manager.resume() == 3  # from epoch 2
     assert torch.equal(model.weight, weights[2])
     assert manager.best_acc1 == 40.0
     # The next save replaces the damaged file instead of keeping it as the fallback.
-    manager.save(3, model, optimizer, scheduler, scaler, metrics={"acc1": 25.0})
+    manager.save(3, metrics={"acc1": 25.0})
     assert load_checkpoint(tmp_path / "previous.pth")["epoch"] == 2
     assert load_checkpoint(latest)["epoch"] == 3
     assert _leftovers(tmp_path)[2:4] == ["model-epoch2-acc40.00.pth", "model-epoch4-acc25.00.pth"]
@@ -193,20 +199,21 @@ def test_every_file_damaged_is_an_error(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(b"")
     model, *_ = _setup(0)
     with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError, match="is loadable"):
-        CheckpointManager(tmp_path).resume(model)
+        CheckpointManager(tmp_path, state=TrainingState(model)).resume()
 
 
 def test_resume_without_checkpoint_starts_at_zero(tmp_path: Path) -> None:
     model, optimizer, *_ = _setup(0)
-    assert CheckpointManager(tmp_path / "new").resume(model, optimizer) == 0
+    manager = CheckpointManager(tmp_path / "new", state=TrainingState(model, optimizer))
+    assert manager.resume() == 0
     assert not (tmp_path / "new").exists()
 
 
 def test_manager_refuses_bad_extra_before_writing(tmp_path: Path) -> None:
     model, optimizer, *_ = _setup(0)
-    manager = CheckpointManager(tmp_path / "run")
+    manager = CheckpointManager(tmp_path / "run", state=TrainingState(model, optimizer))
     with pytest.raises(TypeError, match=r"extra\.hook"):
-        manager.save(0, model, optimizer, metrics={"acc1": 1.0}, extra={"hook": print})
+        manager.save(0, metrics={"acc1": 1.0}, extra={"hook": print})
     assert not (tmp_path / "run").exists()
     assert manager.best_acc1 is None
     with pytest.raises(ValueError, match="keep_last"):
@@ -223,10 +230,10 @@ def test_nan_accuracy_is_named_but_never_best(tmp_path: Path) -> None:
 def _resume_on_own_disk(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     # Only rank 0's directory holds a checkpoint, as on nodes without a shared file system.
     model = nn.Linear(4, 2)
-    manager = CheckpointManager(Path(directory, f"node{rank}"))
+    manager = CheckpointManager(Path(directory, f"node{rank}"), state=TrainingState(model))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        start = manager.resume(model, strict_rng=False)
+        start = manager.resume(strict_rng=False)
     told = [str(w.message) for w in caught if "RNG states for 1 ranks" in str(w.message)]
     assert len(told) == (1 if rank == 0 else 0), told  # said once, by rank 0
     return {"start": start, "weights": model.state_dict(), "read": manager.resumed_from}
@@ -302,14 +309,14 @@ def test_a_checkpoint_describes_its_epoch_counted_from_1(tmp_path: Path) -> None
 def _run_files(directory: Path, kind: str) -> None:
     """Leave in ``directory`` what a run of ``kind`` leaves there."""
     model, optimizer, _, _ = _setup(1)
-    manager = CheckpointManager(directory, prefix="old")
+    manager = CheckpointManager(directory, prefix="old", state=TrainingState(model, optimizer))
     if kind in ("finished", "interrupted", "best only"):
         for epoch, acc1 in enumerate((30.0, 20.0)):
-            manager.save(epoch, model, optimizer, metrics={"acc1": acc1})
+            manager.save(epoch, metrics={"acc1": acc1})
     if kind == "interrupted":
-        manager.save_step(Position(2, 1, 4, 3, 1), model, optimizer, kind="interrupted")
+        manager.save_step(Position(2, 1, 4, 3, 1), kind="interrupted")
     if kind == "steps only":
-        manager.save_step(Position(0, 1, 4, 1, 1), model, optimizer)
+        manager.save_step(Position(0, 1, 4, 1, 1))
     if kind == "best only":
         for path in directory.iterdir():
             if path.name != "best.pth":
@@ -336,16 +343,18 @@ def test_a_fresh_run_refuses_another_runs_directory(tmp_path: Path, kind: str, s
     _run_files(directory, kind)
     before = {p.name: p.read_bytes() for p in directory.iterdir()}
     model, optimizer, _, _ = _setup(2)
+    fresh = CheckpointManager(directory, prefix="new", state=TrainingState(model, optimizer))
     with pytest.raises(CheckpointError) as caught:
-        CheckpointManager(directory, prefix="new").save(0, model, optimizer, metrics={"acc1": 5.0})
+        fresh.save(0, metrics={"acc1": 5.0})
     message = str(caught.value)
     assert said in message
     for choice in ("--resume", "another directory", "overwrite=True", "--overwrite"):
         assert choice in message
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before  # nothing touched
     # With overwrite the old run's files go first: best.pth is the new run's, none is left over.
-    manager = CheckpointManager(directory, prefix="new", overwrite=True)
-    manager.save(0, model, optimizer, metrics={"acc1": 5.0})
+    state = TrainingState(model, optimizer)
+    manager = CheckpointManager(directory, prefix="new", overwrite=True, state=state)
+    manager.save(0, metrics={"acc1": 5.0})
     assert _leftovers(directory) == ["best.pth", "latest.pth", "new-epoch1-acc5.00.pth"]
     assert (directory / "best.pth").read_bytes() == (
         directory / "new-epoch1-acc5.00.pth"
@@ -357,7 +366,8 @@ def test_a_fresh_run_takes_a_directory_without_a_run(tmp_path: Path, kind: str) 
     directory = tmp_path / "run"
     _run_files(directory, kind)
     model, optimizer, _, _ = _setup(2)
-    CheckpointManager(directory, prefix="new").save(0, model, optimizer, metrics={"acc1": 5.0})
+    manager = CheckpointManager(directory, prefix="new", state=TrainingState(model, optimizer))
+    manager.save(0, metrics={"acc1": 5.0})
     others = ["metrics.jsonl", "notes.txt"] if kind == "unrelated" else []
     assert _leftovers(directory) == sorted(
         ["best.pth", "latest.pth", "new-epoch1-acc5.00.pth", *others]

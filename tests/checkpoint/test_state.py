@@ -56,10 +56,15 @@ def test_saving_with_nothing_bound_is_a_type_error(tmp_path: Path) -> None:
     assert not tmp_path.joinpath("latest.pth").exists()
 
 
-def test_the_former_call_form_binds_the_objects_it_is_given(tmp_path: Path) -> None:
+def test_the_former_call_form_binds_the_objects_it_is_given_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    from ddpkit._graveyard import DdpkitDeprecationWarning
+
     state = _objects(0)
     manager = CheckpointManager(tmp_path)
-    manager.save(0, state.model, state.optimizer, state.scheduler, metrics={"acc1": 1.0})
+    with pytest.warns(DdpkitDeprecationWarning, match=r"save\(model, optimizer, scheduler\)"):
+        manager.save(0, state.model, state.optimizer, state.scheduler, metrics={"acc1": 1.0})
     assert manager.state is not None
     assert manager.state.model is state.model
     manager.save(1)  # the bound objects
@@ -113,3 +118,38 @@ def test_capture_holds_every_piece_by_name_and_none_for_absent_ones() -> None:
     assert captured["scaler"] is None
     assert state.learning_rate() == pytest.approx(0.05)
     assert TrainingState(nn.Linear(1, 1)).learning_rate() is None
+
+
+def test_the_position_totals_and_extra_travel_in_the_bag(tmp_path: Path) -> None:
+    from ddpkit import Position
+
+    saved = _objects(0)
+    saved.position = Position(2, 3, 12, 7, 1)
+    saved.loop = {"loss_sum": 4.5, "samples": 12}
+    saved.extra = {"config": {"lr": 0.1}}
+    manager = CheckpointManager(tmp_path, state=saved, extra={"arch": "linear"})
+    path = manager.checkpoint("step")
+    assert path == tmp_path / "step-000000007.pth"
+    fresh = _objects(1)
+    restored = CheckpointManager(tmp_path, state=fresh, extra={"arch": "linear"})
+    assert restored.resume() == 2
+    assert fresh.position == Position(2, 3, 12, 7, 1)
+    assert fresh.loop == {"loss_sum": 4.5, "samples": 12}
+    assert restored.resumed_extra == {"arch": "linear", "config": {"lr": 0.1}}
+    with pytest.raises(ValueError, match="kind must be one of"):
+        manager.checkpoint("weekly")
+
+
+def test_rank0_state_is_the_modules_own_without_a_group() -> None:
+    from ddpkit.checkpoint.state import rank0_state
+
+    model = nn.Linear(2, 1)
+    assert rank0_state(model, gather=True).keys() == model.state_dict().keys()
+
+
+def test_the_former_attribute_network_reads_prefix_with_a_warning(tmp_path: Path) -> None:
+    from ddpkit._graveyard import DdpkitDeprecationWarning
+
+    manager = CheckpointManager(tmp_path, prefix="seresnext")
+    with pytest.warns(DdpkitDeprecationWarning, match=r"CheckpointManager\.network is deprecated"):
+        assert manager.network == "seresnext"

@@ -69,14 +69,54 @@ def test_bad_signal_names_are_refused() -> None:
         StepControl(signals=["SIGBOGUS"])
 
 
+class _Cadence:
+    """What a CheckpointManager is to StepControl: the rule, and a clock restarted by saves."""
+
+    def __init__(self, every_steps: int | None = None, every_minutes: float | None = None) -> None:
+        self.rule = SaveCadence(every_steps=every_steps, every_minutes=every_minutes)
+        self.last = time.monotonic()
+
+    def step_due(self, step: int) -> bool:
+        return self.rule.step_due(step)
+
+    def time_due(self) -> bool:
+        return self.rule.time_due(time.monotonic() - self.last)
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+
+
 def test_timed_saves_on_one_process() -> None:
-    assert StepControl(cadence=SaveCadence(every_minutes=10)).after_step(1).save is False
-    control = StepControl(cadence=SaveCadence(every_minutes=1e-9))
+    assert StepControl(cadence=_Cadence(every_minutes=10)).after_step(1).save is False
+    control = StepControl(cadence=_Cadence(every_minutes=1e-9))
     assert control.after_step(1).save is True
 
 
+def test_the_clock_is_the_cadence_owners_and_restarts_at_its_saves(tmp_path: Any) -> None:
+    # The manager owns the cadence and its clock: StepControl keeps none of its own.
+    from torch import nn
+
+    from ddpkit.checkpoint import CheckpointManager, TrainingState
+
+    manager = CheckpointManager(
+        tmp_path, every_minutes=1 / 60, state=TrainingState(nn.Linear(1, 1))
+    )
+    control = StepControl(cadence=manager)
+    assert control.after_step(1).save is False
+    manager._last_save -= 2.0  # two seconds on: due
+    assert manager.time_due()
+    assert control.after_step(2).save is True
+    manager.checkpoint("step")  # any save restarts the clock, the caller does nothing
+    assert not manager.time_due()
+    assert control.after_step(3).save is False
+    manager._last_save -= 2.0
+    manager.save(0)  # an epoch's save too
+    assert control.after_step(4).save is False
+    assert not hasattr(control, "saved")
+
+
 def test_counted_saves_are_decided_by_each_rank_alone() -> None:
-    control = StepControl(cadence=SaveCadence(every_steps=3))
+    control = StepControl(cadence=_Cadence(every_steps=3))
     assert [s for s in range(1, 10) if control.after_step(s).save] == [3, 6, 9]
     assert StepControl().after_step(3).save is False
 
@@ -91,9 +131,10 @@ def test_preempted_is_a_system_exit_with_status_75() -> None:
 def _lockstep(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
     """Steps kept in lockstep by an all-reduce, as DDP's gradient all-reduce does."""
     store = dist.PrefixStore("test/", dist.distributed_c10d._get_default_store())
+    cadence = _Cadence(every_minutes=plan.get("minutes"), every_steps=plan.get("steps"))
     control = StepControl(
         signals=["SIGTERM", "SIGUSR1"], store=store, rank=rank, world_size=world_size,
-        cadence=SaveCadence(every_minutes=plan.get("minutes"), every_steps=plan.get("steps")),
+        cadence=cadence,
     )  # fmt: skip
     saves, stop_step, stop = [], None, None
     with control:
@@ -110,7 +151,7 @@ def _lockstep(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any
             actions = control.after_step(step)
             if actions.save:
                 saves.append(step)
-                control.saved()
+                cadence.saved()
             if actions.stop is not None:
                 stop_step, stop = step, actions.stop
                 break

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -215,10 +216,16 @@ def test_a_store_without_a_group_needs_rank_and_world_size() -> None:
         HangWatchdog(3.0, store=dist.HashStore(), rank=0)
 
 
+def _exiting(watchdog: HangWatchdog, exit: Any) -> HangWatchdog:
+    """``watchdog`` ending the process with ``exit`` instead of ``os._exit``."""
+    watchdog._exit = exit
+    return watchdog
+
+
 def test_stop_is_prompt_idempotent_and_final() -> None:
     exits: list[int] = []
     before = set(threading.enumerate())
-    watchdog = HangWatchdog(60.0, _exit=exits.append).start()  # heartbeats 5 s apart
+    watchdog = _exiting(HangWatchdog(60.0), exits.append).start()  # heartbeats 5 s apart
     watchdog.progress(1, "done")
     (thread,) = [t for t in threading.enumerate() if t not in before]
     assert thread.name == "ddpkit-watchdog"
@@ -255,7 +262,7 @@ def test_unarmed_local_watchdog_waits_for_the_first_finished_step(
         fired.set()
 
     timeout = 0.3
-    watchdog = HangWatchdog(timeout, _exit=record)
+    watchdog = _exiting(HangWatchdog(timeout), record)
     with caplog.at_level(logging.ERROR, logger="ddpkit"), watchdog:
         watchdog.progress(0, "compute")  # the first step: not armed, however long it takes
         assert not fired.wait(3 * timeout)
@@ -273,7 +280,9 @@ def test_rank_that_never_reported_is_named_and_the_others_exit() -> None:
     store = dist.HashStore()  # three ranks in one process; rank 2 never starts its watchdog
     fired = {0: threading.Event(), 1: threading.Event()}
     watchdogs = [
-        HangWatchdog(1.0, store=store, rank=r, world_size=3, _exit=lambda _c, r=r: fired[r].set())
+        _exiting(
+            HangWatchdog(1.0, store=store, rank=r, world_size=3), lambda _c, r=r: fired[r].set()
+        )
         for r in (0, 1)
     ]
     for watchdog in watchdogs:
@@ -297,8 +306,9 @@ def test_rank_that_hears_nothing_from_rank_0_exits_by_itself(
     fired = threading.Event()
     timeout, interval = 0.5, 0.125  # alone after timeout + 2 * interval + 5 s = 5.75 s
     store = dist.HashStore()  # reachable, but rank 0 never watches
-    watchdog = HangWatchdog(
-        timeout, interval=interval, store=store, rank=1, world_size=2, _exit=lambda _c: fired.set()
+    watchdog = _exiting(
+        HangWatchdog(timeout, interval=interval, store=store, rank=1, world_size=2),
+        lambda _c: fired.set(),
     )
     with caplog.at_level(logging.ERROR, logger="ddpkit"), watchdog:
         watchdog.progress(3, "done")
@@ -402,7 +412,7 @@ def test_a_rank_hanging_in_a_callback_at_the_epochs_end_is_named_as_the_report_n
         )
     said = str(caught.value)
     verdict = (
-        "rank(s) 1 stopped at step 8 (ending the epoch: its totals, report, callbacks); the "
+        "rank(s) 1 stopped at step 8 (in the epoch's report or callbacks); the "
         "others wait for them: rank(s) 0 at step 8 (saving a checkpoint); rank(s) 1 never "
         "entered collective #"
     )

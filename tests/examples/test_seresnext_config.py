@@ -25,11 +25,11 @@ def test_a_file_sets_the_defaults_and_the_command_line_wins(
     (tmp_path / name).write_text(text)
     args = example.parse_args(["--data", "d", "--config", str(tmp_path / name), "--lr", "0.3"])
     assert (args.batch_size, args.lr, args.milestones, args.model_ema) == (512, 0.3, [10, 20], True)
-    record = resolved(args, args._sources)
+    record = resolved(args, args.sources)
     assert record["batch_size"] == {"value": 512, "source": "config"}
     assert record["lr"] == {"value": 0.3, "source": "command line"}
     assert record["epochs"] == {"value": 90, "source": "default"}
-    assert "_sources" not in record
+    assert "sources" not in record  # where the values came from, not a flag
 
 
 def test_the_command_line_drops_the_files_exclusive_flag(tmp_path: Path) -> None:
@@ -137,7 +137,7 @@ def test_null_or_a_default_switch_sets_nothing_that_excludes_another(tmp_path: P
         True,
         False,
     )
-    assert "lr_base" not in args._sources  # null: the default, not the file's value
+    assert "lr_base" not in args.sources  # null: the default, not the file's value
 
 
 def test_resume_changes_sort_breaking_from_changing() -> None:

@@ -27,6 +27,7 @@ def make_world(root: Path) -> Path:
     from lmdb_fixtures import write_legacy_db  # type: ignore[import-not-found]
 
     import ddpkit
+    from ddpkit.checkpoint import TrainingState
     from ddpkit.data import make_shapes_dataset
 
     data = root / "data"
@@ -54,10 +55,10 @@ def make_world(root: Path) -> Path:
         _copy(data / "val.lmdb", root / part)
     first = sorted((data / "train").rglob("*.jpg"))[:4]
     write_legacy_db(root / "old-folder2lmdb.lmdb", [p.read_bytes() for p in first], [0, 1, 2, 3])
-    manager = ddpkit.CheckpointManager(root / "checkpoints", prefix="doc")
     model = small_model()
     optimizer = optimizer_for(model)
-    manager.save(0, model, optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, [1]))
+    state = TrainingState(model, optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, [1]))
+    ddpkit.CheckpointManager(root / "checkpoints", prefix="doc", state=state).save(0)
     os.symlink(ROOT / "examples", root / "examples")
     return root
 
@@ -115,14 +116,17 @@ def names() -> dict[str, Callable[[dict[str, Any]], Any]]:
     import torch.nn.functional as F
 
     import ddpkit
+    from ddpkit.checkpoint import TrainingState
     from ddpkit.distributed.parallel import no_sync
     from ddpkit.training.losses import FocalLoss
 
     def continuing_manager(ns: dict[str, Any]) -> Any:
-        """The manager of the world's run in ``checkpoints``, resumed: the docs' loops continue
-        it (a fresh manager refuses a directory that holds another run)."""
-        manager = ddpkit.CheckpointManager("checkpoints", prefix="doc")
-        manager.resume(small_model())
+        """The manager of the world's run in ``checkpoints``, bound to the docs' ``model`` and
+        ``optimizer`` and resumed: the docs' loops continue it (a fresh manager refuses a
+        directory that holds another run)."""
+        state = TrainingState(ns["model"], ns["optimizer"])
+        manager = ddpkit.CheckpointManager("checkpoints", prefix="doc", state=state)
+        manager.resume()
         return manager
 
     def first_batch(ns: dict[str, Any]) -> Any:

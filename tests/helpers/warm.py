@@ -37,7 +37,7 @@ from typing import IO, Any
 from ddpkit.distributed.child import die_with_parent
 
 # What the server imports besides run_distributed's modules: the example and its models.
-EXTRA_PRELOAD = ("timm", "ddpkit.examples.seresnext_lmdb")
+EXTRA_PRELOAD = ("timm", "ddpkit.testing", "ddpkit.examples.seresnext_lmdb")
 
 PIPE = subprocess.PIPE
 STDOUT = subprocess.STDOUT

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ddpkit import Position, ReportConfig
+from ddpkit.checkpoint import TrainingState
 from ddpkit.checkpoint.serialization import CheckpointError
 from ddpkit.distributed.stops import Preempted, StepControl, Stop
 from ddpkit.training.epoch import Run, TrainConfig, TrainingError, stop_now, train_epoch
@@ -36,13 +37,19 @@ def _batches(n: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _run(lr: float = 0.0, criterion: Any = None, **config: Any) -> Run:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
-    return Run(model, CountingSGD(model.parameters(), lr=lr), criterion or nn.CrossEntropyLoss(),
-               TrainConfig(normalize=None, **config), torch.device("cpu"), None, None, None,
-               StepControl(), Reporter(ReportConfig(progress=False), is_main=True))  # fmt: skip
+    return Run(
+        state=TrainingState(model, CountingSGD(model.parameters(), lr=lr)),
+        criterion=criterion or nn.CrossEntropyLoss(),
+        config=TrainConfig(normalize=None, **config),
+        device=torch.device("cpu"),
+        checkpoints=None,
+        control=StepControl(),
+        reporter=Reporter(ReportConfig(progress=False), is_main=True),
+    )
 
 
 def _steps(run: Run) -> int:
-    optimizer = run.optimizer
+    optimizer = run.state.optimizer
     assert isinstance(optimizer, CountingSGD)
     return optimizer.steps
 
@@ -52,7 +59,7 @@ def test_the_record_is_the_exact_mean_loss_over_the_epochs_samples() -> None:
     with torch.no_grad():
         expected = torch.cat(
             [
-                nn.functional.cross_entropy(run.model(x).double(), y, reduction="none")
+                nn.functional.cross_entropy(run.state.model(x).double(), y, reduction="none")
                 for x, y in batches
             ]
         )
@@ -63,7 +70,7 @@ def test_the_record_is_the_exact_mean_loss_over_the_epochs_samples() -> None:
     assert record["lr"] == 0.0
     assert run.step == 3
     assert _steps(run) == 3
-    assert run.model.training
+    assert run.state.model.training
 
 
 def test_the_running_totals_of_a_resumed_epoch_are_carried_on() -> None:
@@ -74,15 +81,15 @@ def test_the_running_totals_of_a_resumed_epoch_are_carried_on() -> None:
     assert record["train_samples"] == 4 + 8  # the carried 4, then batches 2 and 3
 
 
-def test_an_iterable_without_a_length_applies_a_last_partial_accumulation() -> None:
+def test_an_iterable_without_a_length_ends_with_a_counted_step() -> None:
     def stream() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield from _batches(5)
 
     run = _run(lr=0.1, grad_accum=2)
     train_epoch(run, stream(), 0, 1, None, None)
-    assert run.step == 2  # the counted steps: after batches 2 and 4
-    assert _steps(run) == 3  # and batch 5's gradient
-    assert all(p.grad is None for p in run.model.parameters())
+    assert run.step == _steps(run) == 3  # after batches 2 and 4, and batch 5's own step
+    assert run.state.position == Position(0, 5, 20, 3, 1)
+    assert all(p.grad is None for p in run.state.model.parameters())
 
 
 def test_a_sized_loader_counts_its_short_last_step() -> None:
@@ -120,9 +127,79 @@ def test_train_config_refuses_values_of_the_wrong_kind(fields: dict[str, Any], m
 
 def test_a_stop_for_an_error_or_a_signal_without_checkpoints() -> None:
     run = _run()
-    run.step = 7
+    run.state.position = Position(step=7)
     with pytest.raises(CheckpointError, match=r"a checkpoint write failed \(rank 1: disk full\)"):
-        stop_now(run, Stop("error", "rank 1: disk full"), Position(step=7), {})
+        stop_now(run, Stop("error", "rank 1: disk full"), {})
     with pytest.raises(Preempted) as info:
-        stop_now(run, Stop("signal", "SIGTERM"), Position(step=7), {})
+        stop_now(run, Stop("signal", "SIGTERM"), {})
     assert (info.value.signal_name, info.value.step, info.value.checkpoint) == ("SIGTERM", 7, None)
+
+
+# -- an epoch that ends in the middle of gradient accumulation ---------------------------
+
+
+class _Unsized:
+    """A re-iterable stream of batches without a length (a sharded stream's shape)."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield from self.batches
+
+
+# (grad_accum, clip_grad_norm, amp): every leftover step must scale, clip, all-reduce and count.
+LEFTOVER_CASES = [(2, None, None), (3, 1.0, None), (2, 1e-6, None), (3, None, "fp16")]
+
+
+def _leftover_runs(rank: int, world_size: int, batches: int) -> list[dict[str, Any]]:
+    """For each case, fit on an unsized stream and on the same batches as a list (sized)."""
+    from ddpkit import fit
+
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own shard of the stream
+    data = [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g))
+            for _ in range(batches)]  # fmt: skip
+    out = []
+    for accum, clip, amp in LEFTOVER_CASES:
+        weights = {}
+        for kind, loader in (("unsized", _Unsized(data)), ("sized", data)):
+            torch.manual_seed(0)
+            model = ddpkit_wrap(nn.Linear(6, 3))
+            optimizer = CountingSGD(model.parameters(), lr=0.5)
+            config = TrainConfig(grad_accum=accum, clip_grad_norm=clip, amp=amp, normalize=None)
+            start = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+            fit(model, loader, optimizer, criterion=nn.CrossEntropyLoss(), epochs=2,
+                config=config, report=ReportConfig(progress=False, verbose=False))  # fmt: skip
+            end = torch.cat([p.detach().flatten() for p in model.parameters()])
+            weights[kind] = (end, float((end - start).norm()), optimizer.steps)
+        out.append(weights)
+    return out
+
+
+def ddpkit_wrap(model: nn.Module) -> nn.Module:
+    from ddpkit import wrap_ddp
+
+    return wrap_ddp(model, sync_bn=False)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_unsized_epoch_ending_mid_accumulation_steps_like_any_other(world: int) -> None:
+    from ddpkit.testing import run_distributed
+
+    results = run_distributed(_leftover_runs, world, args=(5,), timeout=240)
+    for case, (accum, clip, amp) in enumerate(LEFTOVER_CASES):
+        runs = [r[case] for r in results]
+        steps = 2 * -(-5 // accum)  # two epochs of ceil(5 / accum) steps, the leftover counted
+        for rank, run in enumerate(runs):
+            unsized, sized = run["unsized"], run["sized"]
+            assert unsized[2] == sized[2] == steps, (case, rank)
+            # The leftover step all-reduced: every replica is the same.
+            assert torch.equal(unsized[0], runs[0]["unsized"][0]), (case, rank)
+            # ... and it is the step the sized path takes: scaled to the mean, clipped, unscaled.
+            # (fp16 rounds the two ways of scaling apart by about 1e-4; unscaled, a leftover
+            # step moved the weights by 65536 times its gradient)
+            close = 1e-3 if amp else 1e-6
+            difference = float((unsized[0] - sized[0]).abs().max())
+            assert difference <= close, (case, rank, difference)
+            if clip == 1e-6:  # at most lr x clip a step
+                assert unsized[1] <= steps * 0.5 * 1e-6 * 1.01, (case, unsized[1])

@@ -25,6 +25,7 @@ from ddpkit import (
     model_ema,
     warmup_schedule,
 )
+from ddpkit.checkpoint import TrainingState
 
 QUIET = ReportConfig(progress=False, verbose=False)
 
@@ -146,9 +147,10 @@ def test_the_weight_file_holds_the_average_when_it_scores_higher(tmp_path: Path)
     with torch.no_grad():
         ema.module[0].weight.add_(1.0)  # tell the two apart
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    manager = CheckpointManager(tmp_path, prefix="net")
-    manager.save(0, model, optimizer, metrics={"acc1": 50.0, "ema_acc1": 60.0}, ema=ema)
-    manager.save(1, model, optimizer, metrics={"acc1": 70.0, "ema_acc1": 55.0}, ema=ema)
+    state = TrainingState(model, optimizer, ema=ema)
+    manager = CheckpointManager(tmp_path, prefix="net", state=state)
+    manager.save(0, metrics={"acc1": 50.0, "ema_acc1": 60.0})
+    manager.save(1, metrics={"acc1": 70.0, "ema_acc1": 55.0})
     first = load_checkpoint(tmp_path / "net-epoch1-acc60.00.pth")
     assert torch.equal(first["0.weight"], ema.module[0].weight.detach())
     assert "n_averaged" not in first
@@ -156,10 +158,11 @@ def test_the_weight_file_holds_the_average_when_it_scores_higher(tmp_path: Path)
     assert torch.equal(second["0.weight"], model[0].weight.detach())
     assert manager.best_acc1 == 70.0
     # Resuming asks for the average the checkpoint holds; one saved without it is named.
-    plain = CheckpointManager(tmp_path / "plain")
-    plain.save(0, model, optimizer)
+    plain = CheckpointManager(tmp_path / "plain", state=TrainingState(model, optimizer))
+    plain.save(0)
+    averaged = TrainingState(model, optimizer, ema=model_ema(model))
     with pytest.raises(Exception, match="no model average"):
-        CheckpointManager(tmp_path / "plain").resume(model, optimizer, ema=model_ema(model))
+        CheckpointManager(tmp_path / "plain", state=averaged).resume()
 
 
 def test_decay_out_of_range_is_refused() -> None:

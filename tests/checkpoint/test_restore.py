@@ -1,0 +1,81 @@
+"""ddpkit.checkpoint.restore: every check before anything loads, then the objects and position."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ddpkit.checkpoint.files import VERSION, Found
+from ddpkit.checkpoint.restore import check_extra, restore_state
+from ddpkit.checkpoint.serialization import CheckpointError
+from ddpkit.checkpoint.state import TrainingState
+from ddpkit.position import Position
+from ddpkit.rng import capture_rng_state
+
+
+def _saved(world_size: int = 1, **drop: None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    state: dict[str, Any] = {
+        "version": VERSION,
+        "kind": "step",
+        "model": model.state_dict(),
+        "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": None,
+        "scaler": None,
+        "ema": None,
+        "world_size": world_size,
+        "rng": [capture_rng_state()] * world_size,
+        "epoch": 2,
+        "position": Position(2, 3, 12, 7, world_size).as_dict(),
+        "loop": [1.0],
+        "best_acc1": 50.0,
+        "best_epoch": 1,
+    }
+    for key in drop:
+        del state[key]
+    return state
+
+
+_FOUND = Found("latest.pth", "s", 1, 7, "step", 2, 1)
+
+
+def test_restore_loads_the_weights_and_returns_the_position() -> None:
+    model = nn.Linear(2, 1)
+    done = restore_state(_saved(), _FOUND, TrainingState(model), strict_rng=True)
+    assert torch.equal(model.weight, _saved()["model"]["weight"])
+    assert done.position == Position(2, 3, 12, 7, 1)
+    assert (done.loop, done.best_acc1, done.best_epoch) == ([1.0], 50.0, 1)
+    old = restore_state(_saved(position=None, version=None), _FOUND, TrainingState(model), True)
+    assert old.position == Position(3, 0, 0, 0, 1)  # 0.1's format: the end of epoch 2
+
+
+def test_restore_refuses_parts_the_checkpoint_lacks() -> None:
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = _saved()
+    state["optimizer"] = None
+    with pytest.raises(
+        CheckpointError, match=r"latest\.pth holds no optimizer state; pass optimizer"
+    ):
+        restore_state(state, _FOUND, TrainingState(model, optimizer), strict_rng=True)
+    with pytest.raises(CheckpointError, match="holds no model average"):
+        restore_state(_saved(), _FOUND, TrainingState(model, ema=nn.Linear(2, 1)), True)
+
+
+def test_another_world_size_needs_strict_rng_off() -> None:
+    model = nn.Linear(2, 1)
+    with pytest.raises(CheckpointError, match="RNG states for 2 ranks and this job has 1"):
+        restore_state(_saved(world_size=2), _FOUND, TrainingState(model), strict_rng=True)
+    with pytest.warns(RuntimeWarning, match="resuming without restoring RNG state"):
+        restore_state(_saved(world_size=2), _FOUND, TrainingState(model), strict_rng=False)
+
+
+def test_another_extra_is_refused_naming_the_key() -> None:
+    check_extra("latest.pth", {"arch": "a", "other": 1}, {"arch": "a"})  # the same: fine
+    said = r"latest\.pth was trained with arch b; this run has arch a"
+    with pytest.raises(CheckpointError, match=said):
+        check_extra("latest.pth", {"arch": "b"}, {"arch": "a"})
