@@ -46,6 +46,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -140,9 +141,7 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _rank(
-    rank: int, world_size: int, steps: int, batch: int, rounds: int
-) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, list[float]], list[str]]:
+def _rank(rank: int, world_size: int, steps: int, batch: int, rounds: int) -> tuple[Any, ...]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = wrap_ddp(_model())

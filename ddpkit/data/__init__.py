@@ -45,6 +45,9 @@ if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
     from ddpkit.data.lmdb_inspect import verify_report as verify_report
     from ddpkit.data.loaders import build_loader as build_loader
     from ddpkit.data.mixing import mixup_cutmix as mixup_cutmix
+    from ddpkit.data.resume import EpochBatches as EpochBatches
+    from ddpkit.data.resume import data_identity as data_identity
+    from ddpkit.data.resume import epoch_batches as epoch_batches
     from ddpkit.data.samplers import DistributedEvalSampler as DistributedEvalSampler
     from ddpkit.data.samplers import set_epoch as set_epoch
     from ddpkit.data.shapes import SHAPE_CLASSES as SHAPE_CLASSES

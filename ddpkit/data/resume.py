@@ -14,8 +14,7 @@ import hashlib
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence, Sized
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from ddpkit.data.balanced import WeightedDistributedSampler
 from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler, set_epoch
+from ddpkit.distributed import comm
 from ddpkit.position import Position
 
 __all__ = [
@@ -39,37 +39,142 @@ __all__ = [
 logger = logging.getLogger("ddpkit")
 
 
-@dataclass(frozen=True)
 class EpochBatches:
-    """What is left of one epoch on this rank.
+    """What is left of one epoch on this rank, counted as it is read.
+
+    Iterate it once for the remaining batches. After each batch it yields,
+    :attr:`done` and :attr:`samples` count it, :attr:`last` says whether it
+    is the epoch's last on this rank (a loader without a length is read one
+    batch ahead to know), and :meth:`position` is where training stands once
+    the optimizer step that ends with it is taken.
 
     Attributes:
-        batches: iterate this for the remaining batches.
-        done: batches of the epoch consumed before (the position's ``batches``).
-        total: batches of the whole epoch on this rank, ``done`` included; None if unknown.
-        step_samples: samples over all ranks that each remaining batch consumes;
-            None when every batch takes ``batch_size x world_size``.
+        batches: the batches still to read (replace it with a wrapper of the
+            same batches before iterating, to time or watch them).
+        epoch: the epoch.
+        done: batches of the epoch this rank consumed so far, those before
+            the start included.
+        samples: samples of the epoch's order all ranks consumed so far.
+        total: batches of the whole epoch on this rank; None if unknown.
+        step_samples: samples over all ranks that each remaining batch
+            consumes; None when every batch takes ``batch_size x world_size``.
+        last: the batch just yielded is the epoch's last on this rank.
+        world_size: the ranks the epoch is dealt out to.
+        data: the training set's size and index digest, as a position records them.
     """
 
-    batches: Iterable[Any]
-    done: int
-    total: int | None
-    step_samples: Sequence[int] | None = None
+    def __init__(
+        self,
+        batches: Iterable[Any],
+        done: int,
+        total: int | None,
+        step_samples: Sequence[int] | None = None,
+        *,
+        epoch: int = 0,
+        samples: int = 0,
+        batch_size: int | None = None,
+        world_size: int = 1,
+        data: tuple[int | None, str | None] = (None, None),
+    ) -> None:
+        self.batches, self.done, self.total = batches, done, total
+        self.step_samples, self.epoch, self.samples = step_samples, epoch, samples
+        self.world_size, self.data, self.last = world_size, data, False
+        self._batch_size = batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        pairs = _with_last(iter(self.batches), self.total, self.done)
+        for taken, (item, last) in enumerate(pairs):
+            self.done, self.last = self.done + 1, last
+            if self.step_samples is not None:
+                self.samples += self.step_samples[taken]
+            else:
+                self.samples += (self._batch_size or _batch_size(item)) * self.world_size
+            yield item
+
+    def position(self, step: int) -> Position:
+        """Where training stands after optimizer step ``step`` (counted over the run), here."""
+        return Position(self.epoch, self.done, self.samples, step, self.world_size, *self.data)
+
+
+def _with_last(batches: Iterator[Any], total: int | None, done: int) -> Iterator[tuple[Any, bool]]:
+    """Each batch with whether it is the epoch's last; without a length, read one ahead."""
+    if total is not None:
+        for index, item in enumerate(batches, done + 1):
+            yield item, index == total
+        return
+    end = object()
+    held = next(batches, end)
+    while held is not end:
+        following = next(batches, end)
+        yield held, following is end
+        held = following
+
+
+def _batch_size(batch: Any) -> int:
+    """Samples in one batch: the length of its targets (its last part), else of its first."""
+    parts = list(batch.values()) if isinstance(batch, Mapping) else batch
+    if isinstance(parts, list | tuple) and parts:
+        for part in (parts[-1], parts[0]):
+            size = getattr(part, "shape", None)
+            if size is not None and len(size):
+                return int(size[0])
+            if isinstance(part, Sized):
+                return len(part)
+    raise TypeError(
+        f"cannot tell how many samples a {type(batch).__name__} batch holds: give the loader a "
+        "batch_size (a DataLoader), or batches of (inputs, targets) tensors"
+    )
 
 
 def epoch_batches(
-    loader: Iterable[Any], epoch: int, start: Position | None, *, world_size: int, rank: int
+    loader: Iterable[Any],
+    epoch: int,
+    start: Position | None = None,
+    *,
+    world_size: int | None = None,
+    rank: int | None = None,
+    data: tuple[int | None, str | None] | None = None,
 ) -> EpochBatches:
-    """The batches of ``epoch`` from ``start`` on (the whole epoch without one).
+    """The batches of ``epoch`` still to train on this rank, from ``start`` on (all without one).
 
-    Calls :func:`set_epoch` on a DataLoader first. Run on every rank with the
-    same ``start``: every rank then gets the same number of batches.
+    Calls :func:`set_epoch` on a DataLoader first. On the number of ranks that
+    took ``start``, the rest of this rank's own share, batch for batch
+    (``build_loader``'s loaders skip the indices without reading a sample);
+    on another, the samples of the epoch's order not yet consumed, dealt out
+    again to every rank, each once, the same number of batches everywhere.
+    Another loader is read and the done batches dropped. Run on every rank
+    with the same ``start``. The result counts what it yields: its
+    :meth:`EpochBatches.position` is the position a step checkpoint records.
+
+    Args:
+        loader: the training loader.
+        epoch: the epoch (0, 1, ...).
+        start: where training stood (a resumed checkpoint's position); only a
+            position in the middle of ``epoch`` skips anything.
+        world_size: ranks now; default: this job's (``ddpkit.get_world_size()``).
+        rank: this rank; default: this process's (``ddpkit.get_rank()``).
+        data: the training set's size and digest (:func:`data_identity`),
+            if the caller has them; default: taken from ``loader.dataset``.
 
     Raises:
         ValueError: ``start`` is mid-epoch on another number of ranks (or with
             another batch size) and the loader's order cannot be known: it is
             not a DataLoader with ``build_loader``'s or a ``DistributedSampler``.
     """
+    world = comm.get_world_size() if world_size is None else world_size
+    me = comm.get_rank() if rank is None else rank
+    identity = data_identity(getattr(loader, "dataset", None)) if data is None else data
+    part = _rest(loader, epoch, start, world, me)
+    part.epoch, part.world_size, part.data = epoch, world, identity
+    part.samples = start.samples if start is not None and start.epoch == epoch else 0
+    if isinstance(loader, DataLoader):
+        part._batch_size = loader.batch_size
+    return part
+
+
+def _rest(
+    loader: Iterable[Any], epoch: int, start: Position | None, world_size: int, rank: int
+) -> EpochBatches:
     if isinstance(loader, DataLoader):
         set_epoch(loader, epoch)
     if start is None or start.epoch != epoch or not start.mid_epoch:
@@ -209,7 +314,17 @@ def _loader_like(loader: DataLoader[Any], batches: list[list[Any]]) -> DataLoade
 
 
 def _length(loader: Iterable[Any]) -> int | None:
-    return len(loader) if isinstance(loader, Sized) else None
+    """Batches an epoch of ``loader`` holds; None when it cannot say.
+
+    A ``DataLoader`` is ``Sized`` either way, but asks its dataset: over an
+    ``IterableDataset`` without ``__len__`` its ``len()`` raises ``TypeError``.
+    """
+    if not isinstance(loader, Sized):
+        return None
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def data_identity(dataset: Any) -> tuple[int | None, str | None]:
@@ -264,9 +379,9 @@ def check_start(loader: Iterable[Any], start: Position, world_size: int) -> None
             an epoch's batches per rank, or ``start.samples`` more than an
             epoch's samples over all ranks; the message names the field.
     """
-    if not start.mid_epoch or start.world_size != world_size or not isinstance(loader, Sized):
+    total = _length(loader)
+    if not start.mid_epoch or start.world_size != world_size or total is None:
         return
-    total = len(loader)
     if start.batches > total:
         raise ValueError(
             f"its position's batches is {start.batches}, but an epoch of this training loader "

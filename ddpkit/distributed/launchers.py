@@ -20,6 +20,7 @@ __all__ = [
     "MasterEndpoint",
     "detect_launcher",
     "expand_hostlist",
+    "launched_by",
     "local_world_size",
     "master_endpoint",
     "parse_port",
@@ -103,6 +104,20 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> LaunchEnv | Non
     if "OMPI_COMM_WORLD_RANK" in env and _int(env, "OMPI_COMM_WORLD_SIZE", 1) > 1:
         return _openmpi(env)
     return None
+
+
+def launched_by() -> str | None:
+    """The launcher that started this process: ``"torchrun"``, ``"slurm"``, ``"openmpi"``; or None.
+
+    None: a plain process, which may start its own with ``ddpkit.spawn``. A
+    script that can run either way asks this before it spawns, so that under a
+    launcher it takes the launcher's processes instead of starting more.
+
+    Raises:
+        ValueError: a launcher's variables are present but malformed.
+    """
+    found = detect_launcher()
+    return None if found is None else found.launcher
 
 
 def _torchrun(env: Mapping[str, str]) -> LaunchEnv:

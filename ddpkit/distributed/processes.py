@@ -210,9 +210,15 @@ def _child_entry(
     sigmask: set[signal.Signals] | None,
     notes: str,
     stdio: _Stdio | None = None,
+    start_method: str | None = None,
 ) -> None:
     if stdio is not None:
         stdio.take()
+    if parent:  # a spawned child: as a fresh interpreter under torchrun would start its own
+        # A spawned child takes 'spawn' as its default start method; a rank started by
+        # torchrun has the parent's choice, else Python's default (fork on Linux before
+        # 3.14), so its DataLoader workers start in milliseconds, not seconds each.
+        mp.set_start_method(start_method, force=True)
     write_notes_to(notes, index)
     if sigmask is not None:
         # A group of its own: a terminal's Ctrl-C reaches only the parent, which
@@ -381,7 +387,18 @@ def _start(
             # Not daemonic: the children may start DataLoader workers of their own.
             p = ctx.Process(
                 target=_child_entry,
-                args=(target, index, tuple(args), results, parent, stop_types, mask, notes, stdio),
+                args=(
+                    target,
+                    index,
+                    tuple(args),
+                    results,
+                    parent,
+                    stop_types,
+                    mask,
+                    notes,
+                    stdio,
+                    mp.get_start_method(allow_none=True),  # this process's own
+                ),
                 name=f"{name}{index}",
             )
             processes.append(p)

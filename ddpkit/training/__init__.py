@@ -17,6 +17,19 @@ average (``ema``), and one line, record and picture per epoch (``reporting``,
 ``losses`` holds :class:`FocalLoss`; ``models`` loads pretrained weights into a
 new head (:func:`load_pretrained`) and freezes a backbone.
 
+A loop of your own gets every fault-tolerance guarantee of ``fit`` from
+:class:`StepGuard` (``guard``), which ``fit`` itself is built on: resume, the
+rest of an epoch, and after each optimizer step a step checkpoint when due
+or a stop of every rank together::
+
+    with StepGuard(manager) as guard:
+        for epoch in range(guard.resume(train_loader), epochs):
+            part = guard.batches(train_loader, epoch)
+            for images, targets in part:
+                ...  # forward, backward(), optimizer.step()
+                guard.after_step(part)
+            guard.end_epoch(epoch, metrics=...)
+
 This package may import every other part of ddpkit.
 """
 
@@ -33,6 +46,7 @@ if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
     from ddpkit.training.ema import model_ema as model_ema
     from ddpkit.training.epoch import TrainingError as TrainingError
     from ddpkit.training.evaluation import evaluate as evaluate
+    from ddpkit.training.guard import StepGuard as StepGuard
     from ddpkit.training.loop import History as History
     from ddpkit.training.loop import fit as fit
     from ddpkit.training.losses import FocalLoss as FocalLoss

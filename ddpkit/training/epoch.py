@@ -1,13 +1,14 @@
 """One training epoch from any position, and the one function every optimizer step goes through.
 
-``fit`` builds a :class:`Run` once (the bound :class:`TrainingState` and how
-each step runs) and calls :func:`train_epoch` per epoch. Each micro-batch is
-a forward and a backward (:meth:`Run.backward`); each optimizer step, the
+``fit`` builds a :class:`Run` once (the :class:`TrainingState` bag, the
+:class:`~ddpkit.training.guard.StepGuard`, how each step runs) and calls
+:func:`train_epoch` per epoch. The epoch's batches come from the guard (the
+rest of a resumed epoch, counted as they are read). Each micro-batch is a
+forward and a backward (:meth:`Run.backward`); each optimizer step, the
 epoch's last too, however the epoch ends, is :func:`optimizer_step`: scale,
-clip, step, count, schedule, the position, then one question to
-``StepControl`` (one store call) whether to save a step checkpoint or stop.
-That question and the watchdog's heartbeat are the per-step cost over a
-hand-written loop.
+clip, step, the position, schedule, then the guard's one question (one store
+call) whether to save a step checkpoint or stop. That question and the
+watchdog's heartbeat are the per-step cost over a hand-written loop.
 """
 
 from __future__ import annotations
@@ -15,39 +16,27 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-import warnings
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
 from ddpkit._docs import see
 from ddpkit.checkpoint import CheckpointManager
-from ddpkit.checkpoint.serialization import CheckpointError
 from ddpkit.checkpoint.state import TrainingState
-from ddpkit.data.resume import check_start, data_change, epoch_batches
+from ddpkit.data.resume import EpochBatches
 from ddpkit.distributed import comm
 from ddpkit.distributed.parallel import no_sync, unwrap_model
-from ddpkit.distributed.stops import Preempted, StepControl, Stop
-from ddpkit.position import Position
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.evaluation import Criterion, autocast, to_device
+from ddpkit.training.guard import StepGuard
 from ddpkit.training.profiling import peak_memory_mb
 from ddpkit.training.reporting import Reporter
 from ddpkit.training.stragglers import find_straggler, gather_timings
 
-__all__ = [
-    "Run",
-    "TrainConfig",
-    "TrainingError",
-    "optimizer_step",
-    "resume_start",
-    "stop_now",
-    "train_epoch",
-]
+__all__ = ["Run", "TrainConfig", "TrainingError", "optimizer_step", "train_epoch"]
 
 logger = logging.getLogger("ddpkit")
 
@@ -68,66 +57,41 @@ class Run:
 
     ``state`` is the bag every checkpoint saves and restores (the model, the
     optimizer ..., the position, this rank's totals, ``extra``); nothing here
-    keeps a copy of any of it. The step count is ``state.position.step``.
+    keeps a copy of any of it. ``guard`` is the public :class:`StepGuard` a
+    loop of your own uses too: the step count, the one question after each
+    step, the watchdog.
     """
 
     state: TrainingState
     criterion: Criterion
     config: TrainConfig
     device: torch.device
-    checkpoints: CheckpointManager | None
-    control: StepControl
+    guard: StepGuard
     reporter: Reporter
-    watchdog: Any = None
-    world_size: int = 1
-    rank: int = 0
     per_step: bool = False  # the scheduler steps after each optimizer step
-    # The training set's size and index digest, recorded in every position.
-    data: tuple[int | None, str | None] = (None, None)
     profiler: Any = None  # a StepProfiler on the ranks that profile, else None
-    started: set[int] = field(default_factory=set)  # loaders whose persistent workers run
+    step_callbacks: Sequence[Callable[[dict[str, Any]], None]] = ()
 
     @property
     def step(self) -> int:
         """Optimizer steps since the run began, over all epochs."""
-        return self.state.position.step
+        return self.guard.step
+
+    @property
+    def checkpoints(self) -> CheckpointManager | None:
+        return self.guard.checkpoints
+
+    @property
+    def world_size(self) -> int:
+        return comm.get_world_size()
+
+    @property
+    def rank(self) -> int:
+        return comm.get_rank()
 
     def tick(self, phase: str) -> None:
         """Tell the hang watchdog where this rank is."""
-        if self.watchdog is not None:
-            self.watchdog.progress(self.step, phase)
-
-    def watched(
-        self, loader: Any, batches: Iterable[Any], waiting: str, busy: str
-    ) -> Iterator[Any]:
-        """``batches`` (of ``loader``), telling the watchdog when this rank waits for them.
-
-        ``waiting`` before each batch, ``busy`` once it is here. A ``DataLoader``
-        starts its workers in ``iter()``, and batch ``k`` comes from worker ``k``:
-        until one batch came from each worker (each imported, ran its
-        ``worker_init_fn``, fetched), the phase is ``"start_" + waiting``; after
-        the last batch of workers that are not persistent, while the iterator
-        joins them, ``"end_" + waiting``. The watchdog times neither.
-        """
-        starting = self._starts_workers(loader)
-        ending = _ending_workers(loader)
-        self.tick(f"start_{waiting}" if starting else waiting)
-        for count, batch in enumerate(batches, 1):
-            self.tick(busy)
-            yield batch
-            phase = "start_" if count < starting else "end_" if count == ending else ""
-            self.tick(phase + waiting)
-        self.tick(busy)  # what follows the last batch (the totals' all-reduce) is the work
-
-    def _starts_workers(self, loader: Any) -> int:
-        """How many workers iterating ``loader`` starts (persistent ones start once)."""
-        if not isinstance(loader, DataLoader) or loader.num_workers == 0:
-            return 0
-        if loader.persistent_workers:
-            if id(loader) in self.started:
-                return 0
-            self.started.add(id(loader))
-        return loader.num_workers
+        self.guard.progress(phase)
 
     def backward(
         self, images: torch.Tensor, targets: torch.Tensor, completes: bool, count: int
@@ -150,16 +114,16 @@ class Run:
         return loss.detach()
 
 
-def optimizer_step(run: Run, position: Position, last: bool, totals: _Totals) -> None:
+def optimizer_step(run: Run, part: EpochBatches, totals: _Totals, loss: torch.Tensor) -> None:
     """Take the optimizer step the accumulated gradients make; every step goes through here.
 
     Clip (after unscaling, with a GradScaler), step (through the scaler),
     zero the gradients, update the average, then count: the bound state's
-    position becomes ``position`` (whose ``step`` is this one's), the
-    per-step scheduler steps, the watchdog hears of it, and every rank asks
-    once whether to save a step checkpoint or stop (:func:`between_steps`).
-    ``last``: the epoch's last step, whose checkpoint is the epoch's own.
-    All ranks must call this for the same steps, or the question deadlocks.
+    position becomes where ``part`` stands after this step, the per-step
+    scheduler steps, and the guard asks once, on every rank, whether to save a
+    step checkpoint or stop (:meth:`StepGuard.after_step`); then the step
+    callbacks hear of it. All ranks must call this for the same steps, or the
+    question deadlocks.
 
     Raises:
         Preempted: a stop signal: every rank stopped after this step, saved.
@@ -180,41 +144,32 @@ def optimizer_step(run: Run, position: Position, last: bool, totals: _Totals) ->
     ema: Any = state.ema  # an AveragedModel (ddpkit.model_ema)
     if ema is not None:
         ema.update_parameters(unwrap_model(state.model))
-    state.position = position
+    rate = optimizer.param_groups[0]["lr"]  # the rate this step used
+    state.position = part.position(run.step + 1)
     if state.scheduler is not None and run.per_step:
         state.scheduler.step()
-    run.tick("done")
     if run.profiler is not None:
-        run.profiler.at(position.step)
-    between_steps(run, last, totals)
-
-
-def between_steps(run: Run, last: bool, totals: _Totals) -> None:
-    """After an optimizer step: the one question (save? stop?) and what its answer asks.
-
-    The answer is the same on every rank: a step checkpoint of the bound
-    state (none after the epoch's last step, whose checkpoint is the
-    epoch's), or a stop, with ``interrupted.pth``.
-    """
-    manager = run.checkpoints
-    if manager is not None and manager.write_error is not None:
-        error = manager.write_error
-        run.control.request_stop(f"rank {run.rank}: {type(error).__name__}: {error}")
-    actions = run.control.after_step(run.step)
-    if actions.stop is not None:
-        stop_now(run, actions.stop, totals.as_loop())
-    if manager is not None and not last and actions.save:
-        run.tick("save")
-        run.state.loop = totals.as_loop()
-        manager.checkpoint("step", block=False)
+        run.profiler.at(run.step + 1)
+    run.guard.after_step(part, loop=totals.as_loop)
+    if run.step_callbacks:
+        info = {
+            "epoch": part.epoch + 1,  # counted from 1, as the epoch lines are
+            "step": run.step,
+            "batch": part.done,
+            "lr": float(rate),
+            "loss": loss,
+            "position": state.position,
+        }
+        for callback in run.step_callbacks:
+            callback(info)
 
 
 def train_epoch(
-    run: Run, loader: Iterable[Any], epoch: int, epochs: int, start: Position | None, carried: Any
+    run: Run, loader: Iterable[Any], epoch: int, epochs: int, carried: Any
 ) -> dict[str, Any]:
-    """Train ``epoch`` from ``start`` (its beginning when None); return the epoch's record.
+    """Train ``epoch`` from where the guard's resumed position stands; return the epoch's record.
 
-    ``carried`` is this rank's running totals saved with ``start`` (or None).
+    ``carried`` is this rank's running totals saved with that position (or None).
     The epoch's last micro-batch always completes an optimizer step, also
     when a loader without a length ends in the middle of gradient
     accumulation (one batch is read ahead to know): its gradient is
@@ -227,44 +182,35 @@ def train_epoch(
         CheckpointError: a background checkpoint write failed on some rank.
         TrainingError: a non-finite loss.
     """
-    part = epoch_batches(loader, epoch, start, world_size=run.world_size, rank=run.rank)
-    state, config, dev, world = run.state, run.config, run.device, run.world_size
+    part = run.guard.batches(loader, epoch)
+    state, config, dev = run.state, run.config, run.device
     state.model.train()
     accum = config.grad_accum
-    per_rank = loader.batch_size if isinstance(loader, DataLoader) else None
     totals = _Totals.carried_over(carried or {}, dev)
     if dev.type == "cuda":  # the record's peak memory is this epoch's
         torch.cuda.reset_peak_memory_stats(dev)
     progress = _Progress(run.reporter, part.total, part.done, epoch, epochs, dev)
-    # Samples of the epoch consumed by all ranks, as a resume counts them.
-    consumed = start.samples if start is not None and start.epoch == epoch else 0
-    batch = part.done - 1  # the index in the epoch of the micro-batch being trained
     rate = state.optimizer.param_groups[0]["lr"]
-    # The rest of a resumed epoch may come from a loader of its own, with its own workers.
-    source = part.batches if isinstance(part.batches, DataLoader) else loader
-    batches = totals.timed(run.watched(source, part.batches, "data", "compute"))
-    for taken, ((images, targets), last) in enumerate(_with_last(batches, part.total, part.done)):
-        batch += 1
+    part.batches = totals.timed(iter(part.batches))  # the time spent waiting for data
+    for images, targets in part:
+        batch = part.done - 1  # the index in the epoch of this micro-batch
         images, targets = to_device(images, targets, dev, config.normalize)
         if config.channels_last and images.dim() == 4:
             images = images.contiguous(memory_format=torch.channels_last)
         if config.batch_transform is not None:
             images, targets = config.batch_transform(images, targets)
-        completes = (batch + 1) % accum == 0 or last
+        completes = (batch + 1) % accum == 0 or part.last
         count = _group_size(batch, part.total, accum)
         loss = run.backward(images, targets, completes, count)
-        size = targets.shape[0]
-        totals.add(loss, size)
+        totals.add(loss, targets.shape[0])
         progress.finite.add(batch, loss)
-        consumed += part.step_samples[taken] if part.step_samples else (per_rank or size) * world
         if completes:
             held = batch % accum + 1  # micro-batches in this step
             if held < count:  # an unsized epoch ended early: the mean of those it holds
                 _scale_gradients(state.model, count / held)
             rate = state.optimizer.param_groups[0]["lr"]  # the rate this step uses
-            position = Position(epoch, batch + 1, consumed, run.step + 1, world, *run.data)
-            optimizer_step(run, position, last, totals)
-        progress.show(batch, last, totals)
+            optimizer_step(run, part, totals, loss)
+        progress.show(batch, part.last, totals)
     # Up to the next epoch's first batch (the totals' all-reduce, then fit's validation, report,
     # callbacks and checkpoint) the rank is at the epoch's end, which the watchdog orders after
     # the epoch's steps and before the next epoch's, at one and the same step count.
@@ -272,26 +218,6 @@ def train_epoch(
     seconds = totals.seconds()
     progress.close(epoch)
     return totals.record(epoch, rate, seconds, dev) | {"peak_memory_mb": totals.peak_mb}
-
-
-def _with_last(batches: Iterator[Any], total: int | None, done: int) -> Iterator[tuple[Any, bool]]:
-    """Each batch with whether it is the epoch's last.
-
-    With a length the count says so; without one the next batch is read
-    before this one is yielded (a loader's own workers prefetch anyway).
-    """
-    if total is not None:
-        for index, item in enumerate(batches, done + 1):
-            yield item, index == total
-        return
-    held = next(batches, _END)
-    while held is not _END:
-        following = next(batches, _END)
-        yield held, following is _END
-        held = following
-
-
-_END = object()
 
 
 def _scale_gradients(model: nn.Module, factor: float) -> None:
@@ -428,67 +354,6 @@ class _Progress:
         self.finite.check(epoch)
 
 
-def resume_start(
-    manager: CheckpointManager,
-    loader: Iterable[Any],
-    world: int,
-    on_data_change: str,
-    scheduler: Any,
-) -> Position | None:
-    """Where ``manager``'s resumed checkpoint stands, checked against ``loader``; run on every rank.
-
-    A mid-epoch position taken on other data is refused, or (``on_data_change="next_epoch"``)
-    moved to the next epoch's start, the per-epoch ``scheduler`` stepped as that epoch's end would.
-
-    Raises:
-        CheckpointError: the position is beyond this loader's epoch, or the data
-            changed and ``on_data_change`` is ``"error"``; names the checkpoint.
-    """
-    start, name = manager.position, manager.resumed_checkpoint
-    if start is None or not start.mid_epoch:
-        return start
-    change = data_change(start, getattr(loader, "dataset", None))
-    if change is None:
-        try:
-            check_start(loader, start, world)
-        except ValueError as exc:
-            raise CheckpointError(
-                f"{name} cannot be resumed with this training loader: {exc}. "
-                "Resume with the loader (data, batch size) it was saved with, or "
-                "from another checkpoint. " + see("checkpoints")
-            ) from None
-        return start
-    where = f"{name} stopped in epoch {start.epoch + 1} after {start.samples} samples, and {change}"
-    if on_data_change == "error":
-        raise CheckpointError(
-            f"{where}: the rest of that epoch would read some samples twice and others never. "
-            "Resume with the data it was saved with, or start at the next epoch on the new data "
-            "with fit(faults=FaultConfig(on_data_change='next_epoch')) (the example's "
-            "--on-data-change next-epoch). " + see("checkpoints")
-        )
-    if comm.get_rank() == 0:
-        warnings.warn(
-            f"{where}; as asked (on_data_change='next_epoch'), the rest of epoch "
-            f"{start.epoch + 1} is skipped and epoch {start.epoch + 2} starts on the "
-            "new data",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    if scheduler is not None and not getattr(scheduler, "per_step", False):
-        scheduler.step()  # as the skipped epoch's end would have
-    return Position(start.epoch + 1, 0, 0, start.step, world)
-
-
-def _ending_workers(loader: Any) -> int | None:
-    """After which batch a ``DataLoader``'s iterator stops its workers; None: never, or unknown."""
-    if not isinstance(loader, DataLoader) or loader.num_workers == 0 or loader.persistent_workers:
-        return None
-    try:
-        return len(loader)
-    except TypeError:  # an IterableDataset without a length
-        return None
-
-
 def _group_size(index: int, total: int | None, accum: int) -> int:
     """Micro-batches in the optimizer step of micro-batch ``index`` (an epoch's last may be short).
 
@@ -499,39 +364,6 @@ def _group_size(index: int, total: int | None, accum: int) -> int:
         return accum
     first = index - index % accum
     return min(accum, total - first)
-
-
-def stop_now(run: Run, stop: Stop, totals: dict[str, Any] | None) -> None:
-    """End training on every rank: save ``interrupted.pth`` for a signal, raise either way.
-
-    ``totals``: this rank's running totals in the middle of an epoch (the bound
-    state's position is the step just taken); None at an epoch's end, whose
-    checkpoint, just taken, is the one to resume from.
-    """
-    manager = run.checkpoints
-    if stop.kind == "error":
-        if manager is not None:
-            manager.wait()  # the rank whose write failed raises its own error here
-        raise CheckpointError(
-            f"a checkpoint write failed ({stop.detail}), so every rank stops; the checkpoints "
-            "written before it are intact. " + see("checkpoints")
-        )
-    path = None
-    if manager is not None:
-        if totals is not None:
-            run.state.loop = totals
-            path = manager.checkpoint("interrupted")
-        else:
-            manager.flush()
-            path = manager.latest_path if manager.writes else None
-    logger.warning(
-        "stopped by %s after step %d%s; resume to continue (exit status %d)",
-        stop.detail,
-        run.step,
-        f", checkpoint {path}" if path is not None else "",
-        Preempted(stop.detail).code,
-    )
-    raise Preempted(stop.detail, str(path) if path is not None else None, run.step)
 
 
 class _FiniteCheck:

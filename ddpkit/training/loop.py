@@ -19,7 +19,6 @@ import datetime
 import functools
 import logging
 import os
-import secrets
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -35,14 +34,10 @@ from ddpkit.checkpoint import CheckpointManager
 from ddpkit.checkpoint.files import BEST
 from ddpkit.checkpoint.state import TrainingState
 from ddpkit.checkpoint.sync import claim_directory
-from ddpkit.data.resume import data_identity
 from ddpkit.distributed import comm
 from ddpkit.distributed.devices import module_device
 from ddpkit.distributed.hang_report import is_collective_failure, report_collective_failure
-from ddpkit.distributed.job import restore_environ
 from ddpkit.distributed.parallel import sync_buffers
-from ddpkit.distributed.recorder import point_dumps
-from ddpkit.distributed.stops import StepControl
 from ddpkit.position import Position
 from ddpkit.training.config import FaultConfig, ReportConfig
 from ddpkit.training.ema import sync_ema_buffers
@@ -50,11 +45,10 @@ from ddpkit.training.epoch import (
     Run,
     TrainConfig,
     TrainingError,
-    resume_start,
-    stop_now,
     train_epoch,
 )
 from ddpkit.training.evaluation import Criterion, evaluate
+from ddpkit.training.guard import StepGuard
 from ddpkit.training.profiling import StepProfiler
 from ddpkit.training.reporting import Reporter
 from ddpkit.training.trackers import TrackerError
@@ -113,6 +107,7 @@ def fit(
     report: ReportConfig | None = None,
     faults: FaultConfig | None = None,
     callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
+    step_callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
     **deprecated: Any,
 ) -> History:
     """Train ``model`` for ``epochs`` epochs; every rank calls it with its own loaders.
@@ -166,6 +161,13 @@ def fit(
             default ``FaultConfig()``: SIGTERM, SIGUSR1 and SIGINT stop
             cleanly, no watchdog.
         callbacks: called with each epoch's record, on every rank.
+        step_callbacks: called after each optimizer step, on every rank, with
+            ``{"epoch", "step", "batch", "lr", "loss", "position"}``: the epoch
+            (counted from 1), the step (over the run), the batches of the
+            epoch this rank has trained, the rate the step used, the loss of
+            its last micro-batch (a detached tensor on the device: reading it
+            waits for the device) and the :class:`Position`. For a progress
+            display of your own, or a hook a step of your own would call.
         **deprecated: ``amp``, ``grad_accum``, ``clip_grad_norm``,
             ``scheduler_per_step``, ``normalize``, ``device`` (now in
             ``config``) and ``progress``, ``log_dir`` (now in ``report``),
@@ -203,11 +205,10 @@ def fit(
     state = TrainingState(model, optimizer, scheduler, scaler, ema)
     history = History()
     with contextlib.ExitStack() as stack:
-        # Set-up: resume, the agreement on saves and stops, the watchdog, the reporter.
-        start, carried = _resume(state, checkpoints, resume, train_loader, faults)
-        run = _start(
-            stack, state, criterion, config, dev, checkpoints, report, faults, train_loader
-        )
+        # Set-up: the guard (stops, the watchdog), the resume, the reporter.
+        run = _start(stack, state, criterion, config, dev, checkpoints, report, faults)
+        run.step_callbacks = step_callbacks
+        start, carried = _resume(run, resume, train_loader)
         _open_report(run, report, start, epochs, train_loader, val_loader)
         try:
             # The epochs.
@@ -215,44 +216,14 @@ def fit(
             for epoch in range(first, epochs):
                 began = time.perf_counter()
                 carry = carried if epoch == first else None
-                record = train_epoch(run, train_loader, epoch, epochs, start, carry)
+                record = train_epoch(run, train_loader, epoch, epochs, carry)
                 _finish_epoch(run, record, epoch, epochs, val_loader, callbacks, history, began)
             # The end.
             _end(run, history)
         except BaseException as error:
-            _explain(run, error, _report_dir(faults, checkpoints, report))
+            _explain(run, error)
             raise
     return history
-
-
-def _resume(
-    state: TrainingState,
-    checkpoints: CheckpointManager | None,
-    resume: bool | str | os.PathLike[str],
-    loader: Iterable[Any],
-    faults: FaultConfig,
-) -> tuple[Position | None, Any]:
-    """Bind the state; resume it when asked, or claim the directory for a fresh run.
-
-    Returns where training starts (None: the beginning) and this rank's
-    running totals of that epoch.
-    """
-    state.position = Position(world_size=comm.get_world_size())
-    if checkpoints is None:
-        return None, None
-    checkpoints.bind(state)
-    start, carried = None, None
-    world, rank = comm.get_world_size(), comm.get_rank()
-    if resume is not False:
-        checkpoints.resume(path=None if resume is True else resume, strict_rng=False)
-        start = resume_start(checkpoints, loader, world, faults.on_data_change, state.scheduler)
-        carried = _carried(checkpoints.loop, start, world, rank)
-    if start is None:  # a fresh run: refused before it trains
-        dest, writes = checkpoints.directory, checkpoints.writes
-        claim_directory(dest, writes=writes, overwrite=checkpoints.overwrite)
-    else:  # on_data_change="next_epoch" may have moved it on
-        state.position = start
-    return start, carried
 
 
 def _start(
@@ -264,57 +235,54 @@ def _start(
     checkpoints: CheckpointManager | None,
     report: ReportConfig,
     faults: FaultConfig,
-    loader: Iterable[Any],
 ) -> Run:
-    """The run: the agreement on saves and stops, the watchdog, the reporter, all on ``stack``."""
-    world, rank = comm.get_world_size(), comm.get_rank()
-    control = StepControl(  # the one question after every step: save? stop?
-        signals=faults.stop_signals,
-        store=_control_store(world, rank),
-        rank=rank,
-        world_size=world,
-        cadence=checkpoints,  # the manager owns the cadence and its clock
-    )
-    stack.enter_context(control)
-    watchdog = None
-    if faults.hang_timeout is not None:
-        from ddpkit.distributed.watchdog import HangWatchdog  # its thread: only if asked
-
-        where = _report_dir(faults, checkpoints, report)
-        if where is not None and dev.type == "cuda":
-            restore = point_dumps(where)  # NCCL's own dump on a collective timeout
-            stack.callback(restore_environ, restore)
-        watchdog = stack.enter_context(
-            HangWatchdog(
-                timeout=faults.hang_timeout, report_dir=where, report_signal=faults.report_signal
-            )
-        )
-    reporter = Reporter(report, is_main=comm.is_main_process())
+    """The run: its guard (the stop handlers, the one question, the watchdog) and reporter."""
+    if checkpoints is not None:
+        checkpoints.bind(state)  # once: every save and the resume read this bag
+    where = faults.report_dir or (checkpoints.directory if checkpoints else report.log_dir)
+    guard = stack.enter_context(StepGuard(checkpoints, faults=faults, report_dir=where))
     run = Run(
         state=state,
         criterion=criterion,
         config=config,
         device=dev,
-        checkpoints=checkpoints,
-        control=control,
-        reporter=reporter,
-        watchdog=watchdog,
-        world_size=world,
-        rank=rank,
+        guard=guard,
+        reporter=Reporter(report, is_main=comm.is_main_process()),
         per_step=config.scheduler_per_step or bool(getattr(state.scheduler, "per_step", False)),
     )
-    if checkpoints is not None:  # every position records the data it is a position in
-        run.data = data_identity(getattr(loader, "dataset", None))
     # The trackers' last records have a deadline of their own: not the watchdog's.
     stack.callback(_close_reporter, run)
     steps = report.profile_steps
+    rank = comm.get_rank()
     if steps is not None and (report.profile_ranks is None or rank in report.profile_ranks):
         assert report.log_dir is not None  # ReportConfig checks it
-        where = os.path.join(report.log_dir, "profile")
-        run.profiler = StepProfiler(steps[0], steps[1], where, rank, dev)
+        profile = os.path.join(report.log_dir, "profile")
+        run.profiler = StepProfiler(steps[0], steps[1], profile, rank, dev)
         stack.callback(run.profiler.close)  # a run that ends inside the range
-        run.profiler.at(run.step)
     return run
+
+
+def _resume(
+    run: Run, resume: bool | str | os.PathLike[str], loader: Iterable[Any]
+) -> tuple[Position | None, Any]:
+    """Resume when asked (or claim the directory of a fresh run); where training starts.
+
+    Returns the start (None: the beginning) and this rank's running totals of
+    that epoch (all ranks' summed on rank 0 when the number of ranks changed).
+    """
+    state, guard = run.state, run.guard
+    state.position = Position(world_size=run.world_size)
+    manager = run.checkpoints
+    if manager is None:
+        return None, None
+    if resume is False:  # a fresh run: another run's files are refused before it trains
+        claim_directory(manager.directory, writes=manager.writes, overwrite=manager.overwrite)
+    else:
+        guard.resume(loader, path=None if resume is True else resume)
+    if run.profiler is not None:
+        run.profiler.at(run.step)
+    start = guard.start
+    return start, _carried(manager.loop, start, run.world_size, run.rank)
 
 
 def _close_reporter(run: Run) -> None:
@@ -402,7 +370,9 @@ def _finish_epoch(
             amp=config.amp,
             device=run.device,
         )
-        watched = functools.partial(run.watched, val_loader, val_loader, "val_data", "validate")
+        watched = functools.partial(
+            run.guard.watched, val_loader, val_loader, "val_data", "validate"
+        )
         record.update(_val_record(measure(state.model, watched()), val_loader))
         if ema is not None:
             averaged = measure(ema.module, watched())
@@ -423,17 +393,11 @@ def _finish_epoch(
         state.extra["tracker_ledger"] = ledger
     for callback in callbacks:
         callback(record)
-    state.position = Position(epoch + 1, 0, 0, run.step, run.world_size, *run.data)
-    manager = run.checkpoints
-    if manager is not None:
-        run.tick("save")
-        metrics = {"acc1": record.get("val_acc1", 0.0), "loss": record["train_loss"]}
-        if "val_ema_acc1" in record:
-            metrics["ema_acc1"] = record["val_ema_acc1"]
-        manager.checkpoint("epoch", metrics=metrics, block=False)
-    stop = run.control.stop_at_epoch_end()
-    if stop is not None:
-        stop_now(run, stop, None)
+    metrics = {"acc1": record.get("val_acc1", 0.0), "loss": record["train_loss"]}
+    if "val_ema_acc1" in record:
+        metrics["ema_acc1"] = record["val_ema_acc1"]
+    # The bag's position becomes the next epoch's start; its checkpoint, then a stop if asked.
+    run.guard.end_epoch(epoch, metrics=metrics)
 
 
 def _end(run: Run, history: History) -> None:
@@ -450,10 +414,11 @@ def _end(run: Run, history: History) -> None:
     run.reporter.finish(history.records, best)
 
 
-def _explain(run: Run, error: BaseException, where: str | os.PathLike[str] | None) -> None:
+def _explain(run: Run, error: BaseException) -> None:
     """Complete the checkpoint being written; for a failed collective, this rank's report."""
     if run.checkpoints is not None:
         run.checkpoints.wait(raise_error=False)  # the file being written is completed
+    where = run.guard.report_dir or run.reporter.config.log_dir
     if run.world_size > 1 and where is not None and is_collective_failure(error):
         try:
             backend = dist.get_backend()
@@ -463,13 +428,6 @@ def _explain(run: Run, error: BaseException, where: str | os.PathLike[str] | Non
         else:
             if path is not None:
                 logger.error("rank %d: its last collectives and stack: %s", run.rank, path)
-
-
-def _report_dir(
-    faults: FaultConfig, checkpoints: CheckpointManager | None, report: ReportConfig
-) -> str | os.PathLike[str] | None:
-    """Where the hang and collective reports go: asked, else the checkpoints', else the logs'."""
-    return faults.report_dir or (checkpoints.directory if checkpoints else report.log_dir)
 
 
 def _val_record(val: dict[str, Any], loader: Iterable[Any]) -> dict[str, Any]:
@@ -540,14 +498,6 @@ def _check_batches(loader: Iterable[Any], world: int) -> None:
         f"{batch} per process x {world} process(es), drop_last={drop}. Lower the batch size "
         "(or use more data); with drop_last=False a short last batch is kept"
     )
-
-
-def _control_store(world: int, rank: int) -> Any:
-    """The store every rank shares, under a prefix new to this run (one collective)."""
-    if world <= 1 or not dist.is_initialized():
-        return None
-    token = comm.all_gather_object(secrets.token_hex(8) if rank == 0 else None)[0]
-    return dist.PrefixStore(f"ddpkit/fit/{token}/", dist.distributed_c10d._get_default_store())
 
 
 def _configs(

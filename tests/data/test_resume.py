@@ -116,3 +116,73 @@ def test_resuming_on_another_world_size_sets_the_samplers_epoch() -> None:
     loader = _loader(30, 2, 0, 2)
     epoch_batches(loader, 4, Position(4, 1, 4, 1, 1), world_size=2, rank=0)
     assert loader.sampler.epoch == 4  # type: ignore[attr-defined]
+
+
+def test_the_batches_count_themselves_and_give_the_steps_position() -> None:
+    import ddpkit
+
+    loader = _loader(20, 2, 1, 3)  # 3 batches of 3 per rank (drop_last), 2 ranks
+    loader.dataset.targets = [i % 4 for i in range(20)]  # type: ignore[attr-defined]
+    part = ddpkit.epoch_batches(loader, 4, None, world_size=2, rank=1)
+    assert isinstance(part, ddpkit.EpochBatches)
+    seen = []
+    for batch in part:
+        seen.append((part.done, part.samples, part.last, len(batch[1])))
+    assert seen == [(1, 6, False, 3), (2, 12, False, 3), (3, 18, True, 3)]
+    size, digest = ddpkit.data_identity(loader.dataset)
+    # batches per rank, samples over all ranks, and the data a resume checks
+    assert part.position(7) == Position(4, 3, 18, 7, 2, size, digest)
+    assert size == 20
+    assert digest is not None
+
+
+def test_a_position_starts_the_loader_that_many_batches_in_without_reading_them() -> None:
+    import ddpkit
+
+    loader = _loader(40, 1, 0, 4)
+    whole = _ids(ddpkit.epoch_batches(loader, 2, world_size=1, rank=0))
+    start = Position(epoch=2, batches=3, samples=12, step=3, world_size=1)
+    part = ddpkit.epoch_batches(loader, 2, start, world_size=1, rank=0)
+    assert (part.done, part.samples) == (3, 12)
+    assert _ids(part) == whole[3:]
+    assert (part.done, part.samples, part.last) == (10, 40, True)
+
+
+def test_without_a_length_the_last_batch_is_known_by_reading_one_ahead() -> None:
+    import ddpkit
+
+    read: list[int] = []
+
+    def stream() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(3):
+            read.append(i)
+            yield torch.zeros(2, 1), torch.tensor([i, i])
+
+    part = ddpkit.epoch_batches(stream(), 0, world_size=2, rank=0)
+    lasts = []
+    for _ in part:
+        lasts.append((part.last, len(read)))
+    assert lasts == [(False, 2), (False, 3), (True, 3)]  # one batch ahead, never more
+    assert (part.done, part.samples) == (3, 12)  # 2 a batch on each of 2 ranks
+
+
+def test_a_dataloader_over_an_iterable_dataset_without_a_length_has_no_total() -> None:
+    import ddpkit
+
+    class Stream(torch.utils.data.IterableDataset[tuple[torch.Tensor, int]]):
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, int]]:
+            return ((torch.zeros(1), i) for i in range(5))
+
+    loader = DataLoader(Stream(), batch_size=2)
+    part = ddpkit.epoch_batches(loader, 0, world_size=1, rank=0)
+    assert part.total is None
+    assert [len(b[1]) for b in part] == [2, 2, 1]
+    assert part.last
+
+
+def test_a_batch_whose_size_cannot_be_told_is_named() -> None:
+    import ddpkit
+
+    part = ddpkit.epoch_batches([object()], 0, world_size=1, rank=0)
+    with pytest.raises(TypeError, match="cannot tell how many samples a object batch holds"):
+        list(part)

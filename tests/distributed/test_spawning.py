@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_jobs import fail_on_rank_one, write_description, write_environment
+from dist_jobs import fail_on_rank_one, loader_in_a_rank, write_description, write_environment
 
 import ddpkit
 
@@ -194,3 +194,25 @@ def test_spawned_children_see_what_a_torchrun_worker_sees(tmp_path: Path) -> Non
         assert seen["RANK"] == seen["LOCAL_RANK"] == str(rank)
         assert (seen["WORLD_SIZE"], seen["LOCAL_WORLD_SIZE"], seen["GROUP_RANK"]) == ("2", "2", "0")
         assert seen["init_method"] == f"tcp://127.0.0.1:{seen['MASTER_PORT']}"
+
+
+@pytest.mark.timeout(180)
+def test_a_plain_dataloader_in_a_spawned_rank_starts_its_workers_as_under_torchrun(
+    tmp_path: Path,
+) -> None:
+    # A rank torchrun starts is a fresh interpreter: its workers start the platform's way
+    # (fork on Linux before 3.14). A spawned rank took 'spawn', every worker a fresh
+    # interpreter: seconds to the first batch instead of a fraction of one.
+    ddpkit.spawn(loader_in_a_rank, 1, args=(str(tmp_path),))
+    spawned = json.loads((tmp_path / "spawned0.json").read_text())
+    fresh = subprocess.run(
+        [sys.executable, JOBS, "first-batch", str(tmp_path), "fresh"],
+        env=_child_env(),
+        timeout=120,
+        check=True,
+    )
+    assert fresh.returncode == 0
+    alone = json.loads((tmp_path / "fresh.json").read_text())
+    assert spawned["method"] == alone["method"]
+    ratio = spawned["seconds"] / alone["seconds"]
+    assert ratio < 3.0, (spawned, alone)  # 'spawn' workers: about 10x on a 2-core machine

@@ -14,27 +14,28 @@ they always do.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from warm import WarmProcess, warm_popen  # type: ignore[import-not-found]
+from launched import LIMIT_S as _LIMIT_S  # type: ignore[import-not-found]
+from launched import launch
+from launched import shown as _shown
+from launched import when_step_saved as _when_step_saved
+from launched import workers as _workers
+from warm import WarmProcess  # type: ignore[import-not-found]
 
 from ddpkit import PREEMPTED_EXIT_CODE, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "seresnext_lmdb.py"
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")
-_LIMIT_S = 240
 # 96 images, a global batch of 12 on 2 ranks: 8 steps an epoch, 24 in all; step
 # checkpoints every 2 steps (8, 16 and 24 end an epoch). A signal sent once a step's
 # checkpoint appears (written in the background, so the ranks may be a step or two
@@ -83,18 +84,7 @@ def _spawn(data: Path, checkpoints: Path, nprocs: int, *extra: str, workers: int
 def _launch(
     command: list[str], when: Callable[[WarmProcess], None] | None = None
 ) -> tuple[int, str]:
-    """Run ``command`` to its end, calling ``when(process)`` first; its status and output."""
-    with warm_popen(
-        command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc:
-        try:
-            if when is not None:
-                when(proc)
-            out, _ = proc.communicate(timeout=_LIMIT_S)
-        finally:
-            if proc.poll() is None:
-                _kill_tree(proc.pid)
-    return proc.returncode, out
+    return launch(command, _env(), ROOT, when)
 
 
 def _run(command: list[str], when: Callable[[WarmProcess], None] | None = None) -> str:
@@ -102,57 +92,6 @@ def _run(command: list[str], when: Callable[[WarmProcess], None] | None = None) 
     code, out = _launch(command, when)
     assert code == 0, _shown(out)
     return out
-
-
-def _shown(out: str) -> str:
-    """What a failed assertion shows: every rank's error line, then the output's end."""
-    errors = [
-        line for line in out.splitlines() if re.match(r"\[rank\d+\]: \w+(Error|Exception)", line)
-    ]
-    return "\n".join([*errors, "[...]", out[-3000:]])
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _kill_tree(pid: int) -> None:
-    for child in _children(pid):
-        _kill_tree(child)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-
-
-def _workers(launcher: int) -> list[int]:
-    """The training processes a launcher started (torchrun's or spawn's children)."""
-    found = []
-    for pid in _children(launcher):
-        try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"resource_tracker" not in command:
-            found.append(pid)
-    return found
-
-
-def _when_step_saved(checkpoints: Path, step: int) -> None:
-    """Wait until the checkpoint of ``step`` exists."""
-    name = checkpoints / f"step-{step:09d}.pth"
-    deadline = time.monotonic() + _LIMIT_S
-    while not name.exists():
-        assert time.monotonic() < deadline, f"{name} never appeared"
-        time.sleep(0.01)
 
 
 def _kill_a_worker(checkpoints: Path, step: int) -> Callable[[WarmProcess], None]:

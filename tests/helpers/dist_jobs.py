@@ -89,11 +89,33 @@ def torchrun_worker(outdir: str) -> None:
         Path(outdir, f"rank{info.rank}.json").write_text(json.dumps(describe(info)))
 
 
+def first_batch_seconds(outdir: str, name: str) -> None:
+    """Time a plain DataLoader's first batch from 2 workers; record it and the start method."""
+    import multiprocessing
+
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(64.0))
+    began = time.perf_counter()
+    next(iter(DataLoader(data, batch_size=4, num_workers=2)))
+    seconds = time.perf_counter() - began
+    seen = {"seconds": seconds, "method": multiprocessing.get_start_method()}
+    Path(outdir, f"{name}.json").write_text(json.dumps(seen))
+
+
+def loader_in_a_rank(info: ddpkit.DistInfo, outdir: str) -> None:
+    """spawn() target: :func:`first_batch_seconds` in a rank of ``ddpkit.spawn``."""
+    first_batch_seconds(outdir, f"spawned{info.rank}")
+
+
 if __name__ == "__main__":
     # `python tests/helpers/dist_jobs.py torchrun OUTDIR`
     # or `... node NODE_RANK NNODES NPROCS URL OUTDIR`
     if sys.argv[1] == "torchrun":
         torchrun_worker(sys.argv[2])
+    elif sys.argv[1] == "first-batch":  # as a rank torchrun starts: a fresh interpreter
+        first_batch_seconds(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "node":
         spawn_node(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6])
     else:

@@ -10,11 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit import Position, ReportConfig
+from ddpkit import FaultConfig, Position, ReportConfig
 from ddpkit.checkpoint import TrainingState
 from ddpkit.checkpoint.serialization import CheckpointError
-from ddpkit.distributed.stops import Preempted, StepControl, Stop
-from ddpkit.training.epoch import Run, TrainConfig, TrainingError, stop_now, train_epoch
+from ddpkit.distributed.stops import Preempted, Stop
+from ddpkit.training.epoch import Run, TrainConfig, TrainingError, train_epoch
+from ddpkit.training.guard import StepGuard
 from ddpkit.training.reporting import Reporter
 
 
@@ -42,8 +43,7 @@ def _run(lr: float = 0.0, criterion: Any = None, **config: Any) -> Run:
         criterion=criterion or nn.CrossEntropyLoss(),
         config=TrainConfig(normalize=None, **config),
         device=torch.device("cpu"),
-        checkpoints=None,
-        control=StepControl(),
+        guard=StepGuard(faults=FaultConfig(stop_signals=())).__enter__(),  # no handlers to undo
         reporter=Reporter(ReportConfig(progress=False), is_main=True),
     )
 
@@ -63,7 +63,7 @@ def test_the_record_is_the_exact_mean_loss_over_the_epochs_samples() -> None:
                 for x, y in batches
             ]
         )
-    record = train_epoch(run, batches, 4, 10, None, None)
+    record = train_epoch(run, batches, 4, 10, None)
     assert record["epoch"] == 5  # counted from 1
     assert record["train_samples"] == 12
     assert record["train_loss"] == pytest.approx(float(expected.mean()), rel=1e-6)
@@ -75,9 +75,9 @@ def test_the_record_is_the_exact_mean_loss_over_the_epochs_samples() -> None:
 
 def test_the_running_totals_of_a_resumed_epoch_are_carried_on() -> None:
     run = _run()
-    start = Position(epoch=0, batches=1, samples=4, step=1)
+    run.guard.start = Position(epoch=0, batches=1, samples=4, step=1)
     carried = {"loss_sum": 8.0, "samples": 4, "seconds": 1.0, "data_seconds": 0.0}
-    record = train_epoch(run, _batches(3), 0, 1, start, carried)
+    record = train_epoch(run, _batches(3), 0, 1, carried)
     assert record["train_samples"] == 4 + 8  # the carried 4, then batches 2 and 3
 
 
@@ -86,7 +86,7 @@ def test_an_iterable_without_a_length_ends_with_a_counted_step() -> None:
         yield from _batches(5)
 
     run = _run(lr=0.1, grad_accum=2)
-    train_epoch(run, stream(), 0, 1, None, None)
+    train_epoch(run, stream(), 0, 1, None)
     assert run.step == _steps(run) == 3  # after batches 2 and 4, and batch 5's own step
     assert run.state.position == Position(0, 5, 20, 3, 1)
     assert all(p.grad is None for p in run.state.model.parameters())
@@ -94,7 +94,7 @@ def test_an_iterable_without_a_length_ends_with_a_counted_step() -> None:
 
 def test_a_sized_loader_counts_its_short_last_step() -> None:
     run = _run(lr=0.1, grad_accum=2)
-    train_epoch(run, _batches(5), 0, 1, None, None)
+    train_epoch(run, _batches(5), 0, 1, None)
     assert run.step == _steps(run) == 3
 
 
@@ -108,7 +108,7 @@ def test_a_non_finite_loss_names_the_epoch_and_batch_from_1(bad: float) -> None:
         return value * bad if calls["n"] == 2 else value
 
     with pytest.raises(TrainingError, match="in epoch 3, batch 2 of the epoch, on rank 0"):
-        train_epoch(_run(criterion=loss), _batches(3), 2, 5, None, None)
+        train_epoch(_run(criterion=loss), _batches(3), 2, 5, None)
 
 
 @pytest.mark.parametrize(
@@ -127,11 +127,11 @@ def test_train_config_refuses_values_of_the_wrong_kind(fields: dict[str, Any], m
 
 def test_a_stop_for_an_error_or_a_signal_without_checkpoints() -> None:
     run = _run()
-    run.state.position = Position(step=7)
+    run.guard.step = 7
     with pytest.raises(CheckpointError, match=r"a checkpoint write failed \(rank 1: disk full\)"):
-        stop_now(run, Stop("error", "rank 1: disk full"), {})
+        run.guard._stop(Stop("error", "rank 1: disk full"), Position(step=7), {})
     with pytest.raises(Preempted) as info:
-        stop_now(run, Stop("signal", "SIGTERM"), {})
+        run.guard._stop(Stop("signal", "SIGTERM"), Position(step=7), {})
     assert (info.value.signal_name, info.value.step, info.value.checkpoint) == ("SIGTERM", 7, None)
 
 
@@ -203,3 +203,22 @@ def test_an_unsized_epoch_ending_mid_accumulation_steps_like_any_other(world: in
             assert difference <= close, (case, rank, difference)
             if clip == 1e-6:  # at most lr x clip a step
                 assert unsized[1] <= steps * 0.5 * 1e-6 * 1.01, (case, unsized[1])
+
+
+def test_fit_hands_every_optimizer_step_to_the_step_callbacks() -> None:
+    from ddpkit import fit
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    seen: list[dict[str, Any]] = []
+    fit(model, _batches(5), torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=nn.CrossEntropyLoss(), epochs=2, step_callbacks=[seen.append],
+        config=TrainConfig(normalize=None, grad_accum=2),
+        report=ReportConfig(progress=False, verbose=False))  # fmt: skip
+    # 5 batches, 2 a step: steps after batches 2, 4 and the epoch's last, 5; two epochs.
+    assert [(s["epoch"], s["step"], s["batch"]) for s in seen] == [
+        (1, 1, 2), (1, 2, 4), (1, 3, 5), (2, 4, 2), (2, 5, 4), (2, 6, 5)
+    ]  # fmt: skip
+    assert seen[2]["position"] == Position(0, 5, 20, 3, 1)
+    assert isinstance(seen[0]["loss"], torch.Tensor)
+    assert seen[0]["lr"] == 0.1

@@ -1,0 +1,174 @@
+"""The seed recipe's training loop written by hand, with ddpkit's blocks and no ``fit``.
+
+The forward, ``backward()`` and ``optimizer.step()`` are this file's own lines;
+ddpkit adds what a long job needs around them: LMDB data safe in DataLoader
+workers, SyncBN and DDP, validation that counts each image once, checkpoints
+that any node resumes bit-exactly, every rank stopping together on SIGTERM,
+and the rest of an epoch after a kill. docs/own-loop.md walks through it
+against the recipe.
+
+    python -m ddpkit.examples.own_loop --data DIR --nproc-per-node 2     # 2 processes
+    torchrun --nproc-per-node 8 -m ddpkit.examples.own_loop --data DIR   # the launcher's
+    python -m ddpkit.examples.own_loop --data DIR --nproc-per-node 2 --resume
+
+``DIR`` holds ``train.lmdb`` and ``val.lmdb`` (``ddpkit lmdb build``); ``-b`` is
+the global batch of all processes. A stop signal ends it with status 75 once a
+checkpoint is written: run it again with ``--resume``. Needs timm:
+``pip install "ddpkit[examples]"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+
+import ddpkit
+
+
+def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
+    """One process's run of the recipe; every rank calls it. Returns the last validation."""
+    torch.manual_seed(args.seed)
+    # The data: LMDB read lazily in each worker, a seeded sampler and batch per rank.
+    size, data = args.image_size, Path(args.data)
+    train_set = ddpkit.LazyLMDBDataset(data / "train.lmdb", ddpkit.train_transform(size))
+    val_set = ddpkit.LazyLMDBDataset(
+        data / "val.lmdb", ddpkit.val_transform(size, round(size * 256 / 224))
+    )
+    train_loader = ddpkit.build_loader(
+        train_set, global_batch_size=args.batch_size, train=True, seed=args.seed, info=info
+    )
+    val_loader = ddpkit.build_loader(
+        val_set, batch_size=max(1, args.batch_size // info.world_size), train=False, info=info
+    )
+    # The model: SE-ResNeXt with a new head, SyncBN (on GPUs) and DDP.
+    classes = len(train_set.classes)
+    model = ddpkit.wrap_ddp(timm.create_model(args.arch, num_classes=classes), sync_bn=True)
+    # The recipe's loss, optimizer and schedule.
+    criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=args.milestones)
+    # Everything a checkpoint holds, bound once; the files any node can resume from.
+    manager = ddpkit.CheckpointManager(
+        args.checkpoints,
+        state=ddpkit.TrainingState(model, optimizer, scheduler),
+        every_steps=args.save_every_steps,
+        every_minutes=args.save_every_minutes,
+        extra={"arch": args.arch},
+    )
+    val: dict[str, Any] = {}
+    # The epochs. The guard resumes, hands out the rest of an epoch, and after each
+    # optimizer step saves when due, or stops every rank together on a signal.
+    with ddpkit.StepGuard(manager) as guard:
+        first = guard.resume(train_loader) if args.resume else 0
+        for epoch in range(first, args.epochs):
+            model.train()
+            part = guard.batches(train_loader, epoch)  # set_epoch, and where a resume stood
+            for images, targets in part:
+                images = ddpkit.normalize_batch(images.to(info.device))  # uint8 -> float
+                loss = criterion(model(images), targets.to(info.device))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                guard.after_step(part)  # a step checkpoint when due; SIGTERM: save, exit 75
+            scheduler.step()
+            val = ddpkit.evaluate(model, val_loader, criterion=criterion)  # each image once
+            if info.is_main:
+                print(
+                    f"epoch {epoch + 1}/{args.epochs}: step {guard.step}, val acc1 "
+                    f"{val['acc1']:.2f}%, loss {val['loss']:.4f}",
+                    flush=True,
+                )
+            guard.end_epoch(epoch, metrics={"acc1": val["acc1"], "loss": val["loss"]})
+    manager.flush()  # the last checkpoint is on disk on every node that writes
+    return val
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddpkit.examples.own_loop", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--data", required=True, metavar="DIR", help="holds train.lmdb, val.lmdb")
+    parser.add_argument(
+        "--arch",
+        default="legacy_seresnext101_32x4d",
+        metavar="NAME",
+        help="a timm model (legacy_seresnext101_32x4d)",
+    )
+    parser.add_argument("--image-size", type=_positive, default=224, metavar="PIXELS")
+    parser.add_argument(
+        "-b",
+        "--batch-size",
+        type=_positive,
+        default=256,
+        metavar="GLOBAL_BATCH",
+        help="the batch of all processes together (256)",
+    )
+    parser.add_argument("--epochs", type=_positive, default=90, metavar="N")
+    parser.add_argument("--lr", type=float, default=0.1, help="(0.1)")
+    parser.add_argument("--milestones", type=int, nargs="*", default=[30, 60, 80])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR")
+    parser.add_argument(
+        "--save-every-steps",
+        type=_positive,
+        metavar="N",
+        help="a step checkpoint every N optimizer steps",
+    )
+    parser.add_argument(
+        "--save-every-minutes",
+        type=float,
+        metavar="M",
+        help="a step checkpoint when M minutes passed since the last save",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint any node holds"
+    )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="processes to start on this machine (CPU, or one per GPU); "
+        "under torchrun or SLURM, the launcher's are used",
+    )
+    args = parser.parse_args(argv)
+    if args.batch_size % args.nproc_per_node:
+        parser.error(
+            f"-b {args.batch_size} is not divisible by --nproc-per-node {args.nproc_per_node}"
+        )
+    return args
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _rank(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
+    logging.basicConfig(
+        level=logging.INFO if info.is_main else logging.WARNING,
+        format=f"[rank {info.rank}] %(message)s",
+        force=True,
+    )
+    return train(info, args)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.nproc_per_node > 1 and ddpkit.launched_by() is None:
+        ddpkit.spawn(_rank, args.nproc_per_node, args=(args,))
+    else:  # one process, or each of the launcher's
+        with ddpkit.init_distributed() as info:
+            _rank(info, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The hand-written loop keeps every guarantee: a SIGKILL resumes bit-exact, SIGTERM saves, 75.
+
+Each run is the real ``examples/own_loop.py`` on 2 CPU processes through
+``--nproc-per-node 2`` (``ddpkit.spawn``), with timm's tiny ``test_resnet`` on
+a small shapes LMDB and a step checkpoint after every step. 48 training
+images, a global batch of 8: 6 steps an epoch, 12 in all.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from launched import LIMIT_S, kill_tree, launch, shown, when_step_saved  # type: ignore[import-not-found]
+from warm import WarmProcess  # type: ignore[import-not-found]
+
+import ddpkit
+from ddpkit import PREEMPTED_EXIT_CODE, load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "own_loop.py"
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _shapes(root: Path, train_per_class: int) -> Path:
+    dirs = ddpkit.make_shapes_dataset(
+        root / "src", classes=3, train_per_class=train_per_class, val_per_class=2, size=32
+    )
+    for split, source in zip(("train", "val"), dirs, strict=True):
+        ddpkit.build_lmdb(source, root / f"{split}.lmdb", progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _shapes(tmp_path_factory.mktemp("shapes"), 16)
+
+
+def _command(data: Path, checkpoints: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--data", str(data), "--arch", "test_resnet",
+            "--image-size", "32", "-b", "8", "--epochs", "2", "--lr", "0.05",
+            "--milestones", "1", "--checkpoints", str(checkpoints), "--save-every-steps", "1",
+            "--nproc-per-node", "2", *extra]  # fmt: skip
+
+
+def _run(command: list[str]) -> str:
+    code, out = launch(command, _env(), ROOT)
+    assert code == 0, shown(out)
+    return out
+
+
+def _weights(checkpoints: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(checkpoints / "latest.pth")["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    checkpoints = tmp_path_factory.mktemp("reference")
+    out = _run(_command(data, checkpoints))
+    assert "epoch 2/2: step 12, val acc1" in out, shown(out)
+    return _weights(checkpoints)
+
+
+def _assert_equal(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    assert weights.keys() == reference.keys()
+    for key, value in reference.items():
+        assert torch.equal(weights[key], value), key
+
+
+@pytest.mark.timeout(3 * LIMIT_S)
+def test_a_sigkill_mid_epoch_resumes_bit_exact(
+    data: Path, reference: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    checkpoints = tmp_path / "killed"
+
+    def kill(proc: WarmProcess) -> None:
+        when_step_saved(checkpoints, 8)  # in epoch 2
+        kill_tree(proc.pid)  # the parent and both ranks, as a lost node would
+
+    code, out = launch(_command(data, checkpoints), _env(), ROOT, kill)
+    assert code == -signal.SIGKILL, shown(out)
+    assert "epoch 2/2" not in out
+    out = _run(_command(data, checkpoints, "--resume"))
+    resumed = re.search(r"resuming from step-0*(\d+)\.pth \(step: in epoch 2", out)
+    assert resumed is not None, shown(out)  # mid-epoch, not from the epoch's start
+    assert 8 <= int(resumed.group(1)) < 12
+    assert "epoch 1/2" not in out
+    assert "epoch 2/2: step 12" in out, shown(out)
+    _assert_equal(_weights(checkpoints), reference)
+
+
+@pytest.mark.timeout(3 * LIMIT_S)
+def test_sigterm_saves_and_exits_75_and_a_changed_data_set_is_refused(
+    data: Path, reference: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    checkpoints = tmp_path / "stopped"
+
+    def term(proc: WarmProcess) -> None:
+        when_step_saved(checkpoints, 3)  # in epoch 1
+        proc.send_signal(signal.SIGTERM)
+
+    code, out = launch(_command(data, checkpoints), _env(), ROOT, term)
+    assert code == PREEMPTED_EXIT_CODE, shown(out)
+    assert (checkpoints / "interrupted.pth").exists()
+    stopped = load_checkpoint(checkpoints / "interrupted.pth")["position"]
+    assert stopped["epoch"] == 0
+    assert 3 <= stopped["step"] < 6
+    # Other data (more images): the rest of the epoch would be another order. Refused.
+    other = _shapes(tmp_path / "other", 20)
+    code, out = launch(_command(other, checkpoints, "--resume"), _env(), ROOT)
+    assert code != 0
+    assert re.search(r"the training set had 48 samples then and has 60 now", out), shown(out)
+    assert "Resume with the data it was saved with" in out
+    # The data it was saved with: it goes on, to the uninterrupted run's weights.
+    out = _run(_command(data, checkpoints, "--resume"))
+    _assert_equal(_weights(checkpoints), reference)
