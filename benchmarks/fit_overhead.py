@@ -16,8 +16,8 @@ running out, so the figure is the cost per step of a long job; what ``fit``
 costs once per call (its set-up, the epoch's checkpoint and the wait for it,
 the summary) is printed apart. The result is the median of the per-round
 ratios, over 16 rounds by default, each of which runs the loops in the order
-A B B A (then B A A B), 60 steps a call, so that a drift of a shared
-machine's speed within a round falls on both alike; the medians of the
+A B C C B A (then C B A A B C), 60 steps a call, so that a drift of a shared
+machine's speed within a round falls on every loop alike; the medians of the
 first and the second half of the rounds are printed too, and must agree
 within 0.02 (a run that does not is too noisy to tell 2 % from 5 %: run it
 again on a quieter machine). Target: fit / hand-written <= 1.03.
@@ -120,9 +120,7 @@ def _hand_written(
         opt.step()
 
 
-def _with_fit(
-    model: nn.Module, loader: DataLoader[tuple[torch.Tensor, ...]], epoch: int, directory: Path
-) -> None:
+def _with_fit(model: nn.Module, loader: Any, epoch: int, directory: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     fit(
         model,
@@ -137,6 +135,28 @@ def _with_fit(
     )
 
 
+class _Unsized:
+    """The same batches as an iterable without a length, as a stream hands them over.
+
+    Over 2 ranks, ``fit`` then agrees batch by batch whether every rank has the next
+    one (one small all-reduce each): this loop measures that agreement's cost.
+    """
+
+    def __init__(self, loader: _TimedLoader, epoch: int) -> None:
+        self.loader, self.epoch = loader, epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        self.loader.sampler.set_epoch(self.epoch)  # type: ignore[attr-defined]
+        return iter(self.loader)
+
+
+def _with_fit_unsized(
+    model: nn.Module, loader: DataLoader[tuple[torch.Tensor, ...]], epoch: int, directory: Path
+) -> None:
+    assert isinstance(loader, _TimedLoader)
+    _with_fit(model, _Unsized(loader, epoch), epoch, directory)  # type: ignore[arg-type]
+
+
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -146,7 +166,7 @@ def _rank(rank: int, world_size: int, steps: int, batch: int, rounds: int) -> tu
     torch.manual_seed(0)
     model = wrap_ddp(_model())
     loader = _loader(steps, batch, world_size)
-    loops = {"hand": _hand_written, "fit": _with_fit}
+    loops = {"hand": _hand_written, "fit": _with_fit, "unsized": _with_fit_unsized}
     times: dict[str, list[float]] = {k: [] for k in loops}
     calls: dict[str, list[float]] = {k: [] for k in loops}  # a call's time beyond its steps
     faults: dict[str, list[float]] = {k: [] for k in loops}
@@ -157,11 +177,11 @@ def _rank(rank: int, world_size: int, steps: int, batch: int, rounds: int) -> tu
         for name, loop in loops.items():
             loop(model, warm, 0, Path(tmp, f"warm-{name}"))
         for r in range(rounds):
-            # A B B A, then B A A B: a drift of the machine's speed within a round falls on
-            # both loops alike.
-            first, second = list(loops) if r % 2 == 0 else list(loops)[::-1]
+            # A B C C B A, then C B A A B C: a drift of the machine's speed within a round
+            # falls on every loop alike.
+            order = list(loops) if r % 2 == 0 else list(loops)[::-1]
             spent: dict[str, list[float]] = {k: [0.0, 0.0, 0.0] for k in loops}
-            for k, name in enumerate((first, second, second, first)):
+            for k, name in enumerate(order + order[::-1]):
                 directory = Path(tmp, f"round-{r}-{k}")  # a fresh run's checkpoints each call
                 torch.distributed.barrier()
                 start, faulted = time.perf_counter(), _minor_faults()
@@ -211,10 +231,11 @@ def main() -> None:
     times, calls, faults, files = run_distributed(
         _rank, 2, args=shape, timeout=7200, env={"TORCH_FR_BUFFER_SIZE": recorder}
     )[0]
-    hand, fitted = times["hand"], times["fit"]
+    hand, fitted, unsized = times["hand"], times["fit"], times["unsized"]
     ratios = [f / h for f, h in zip(fitted, hand, strict=True)]
+    streams = [u / h for u, h in zip(unsized, hand, strict=True)]
     saves = len(range(CHECKPOINT_EVERY, args.steps, CHECKPOINT_EVERY))  # a call
-    run = f"{args.steps} steps x batch {args.batch_size} a call, {args.rounds} rounds of 4 calls"
+    run = f"{args.steps} steps x batch {args.batch_size} a call, {args.rounds} rounds of 6 calls"
     print(f"2 Gloo processes on CPU, {run}; load average {load:.2f} before the run")
     print(
         f"fit runs with a step checkpoint every {CHECKPOINT_EVERY} steps ({saves} per call, "
@@ -225,13 +246,21 @@ def main() -> None:
     print(f"flight recorder (TORCH_FR_BUFFER_SIZE), both loops: {state}")
     print(f"files in the last fit call's checkpoint directory: {', '.join(files)}")
     print(f"glibc malloc: {malloc or 'its defaults'}")
-    print("round   hand ms/step   fit ms/step   fit / hand   page faults/step: hand     fit")
-    rows = zip(hand, fitted, ratios, faults["hand"], faults["fit"], strict=True)
-    for r, (h, f, q, hf, ff) in enumerate(rows):
+    print(
+        "fit, unsized: the same batches as an iterable without a length (a stream): the "
+        "ranks agree batch by batch where the epoch ends"
+    )
+    print(
+        "round   hand ms/step   fit ms/step   fit / hand   unsized / hand   "
+        "page faults/step: hand     fit"
+    )
+    rows = zip(hand, fitted, ratios, streams, faults["hand"], faults["fit"], strict=True)
+    for r, (h, f, q, u, hf, ff) in enumerate(rows):
         ms = f"{h * 1000:12.2f}   {f * 1000:11.2f}"
-        print(f"{r + 1:5d}   {ms}   {q:10.3f}   {hf:22.0f} {ff:7.0f}")
+        print(f"{r + 1:5d}   {ms}   {q:10.3f}   {u:14.3f}   {hf:22.0f} {ff:7.0f}")
     print(f"hand-written DDP loop   {statistics.median(hand) * 1000:8.2f} ms/step (median)")
     print(f"ddpkit.fit              {statistics.median(fitted) * 1000:8.2f} ms/step (median)")
+    print(f"ddpkit.fit, unsized     {statistics.median(unsized) * 1000:8.2f} ms/step (median)")
     once = statistics.median(f - h for f, h in zip(calls["fit"], calls["hand"], strict=True))
     print(
         f"fit's cost once per call, beyond its steps: {once * 1000:.0f} ms (median; set-up, the "
@@ -248,6 +277,12 @@ def main() -> None:
             f"halves: rounds 1-{half} {first:.3f}, rounds {half + 1}-{len(ratios)} {second:.3f}: "
             f"{'steady' if steady else 'NOT steady'} (within {STEADY})"
         )
+    agreement = statistics.median(u - f for u, f in zip(unsized, fitted, strict=True))
+    print(
+        f"unsized / hand-written  {statistics.median(streams):8.3f}   (median; spread "
+        f"{min(streams):.3f}-{max(streams):.3f}): the agreement batch by batch costs "
+        f"{agreement * 1000:.2f} ms/step over the sized loader (median of the rounds)"
+    )
     print(f"target fit / hand <= {TARGET}: {'PASS' if ratio <= TARGET else 'FAIL'}")
 
 

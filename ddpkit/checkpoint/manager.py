@@ -104,6 +104,9 @@ class CheckpointManager:
         resumed_from: the file :meth:`resume` loaded (on the rank that read it), or None.
         loop: every rank's running totals stored with the resumed checkpoint
             (a list, one entry per rank that saved it), or None.
+        loader_states: every rank's training loader state stored with the
+            resumed checkpoint (a list, one per rank that saved it; None
+            entries for a loader without one), or None.
         resumed_extra: the resumed checkpoint's ``extra`` (this manager's and its save's).
         latest_path: ``directory / "latest.pth"``.
         interrupted_path: ``directory / "interrupted.pth"``.
@@ -156,6 +159,7 @@ class CheckpointManager:
         self.resumed_from: Path | None = None
         self.resumed_checkpoint: str | None = None  # the same on every rank, for messages
         self.loop: list[Any] | None = None
+        self.loader_states: list[Any] | None = None
         self.resumed_extra: dict[str, Any] = {}
         self._generation: int | None = None
         self._step = 0
@@ -353,10 +357,21 @@ class CheckpointManager:
         position = state.position
         epoch = position.epoch - 1 if kind == "epoch" else position.epoch
         loop = dict(state.loop) if kind != "epoch" else None
+        # A stream's place: this rank's, mid-epoch only (an epoch starts its stream afresh).
+        loader, unsaveable = _loader_state(state.loader_state if kind != "epoch" else None)
         self._writer.join()  # at most one write in flight
         failed = self._writer.error
-        gathered = all_gather_object((capture_rng_state(), loop, describe_error(failed)))
-        raise_earlier_failure(failed, [g[2] for g in gathered], self._writer)
+        gathered = all_gather_object(
+            (capture_rng_state(), loop, loader, unsaveable, describe_error(failed))
+        )
+        raise_earlier_failure(failed, [g[4] for g in gathered], self._writer)
+        for rank, (*_, why, _error) in enumerate(gathered):
+            if why is not None:
+                raise TypeError(
+                    f"rank {rank}'s training loader state cannot be saved in a checkpoint: {why}. "
+                    "A loader's state_dict() must hold tensors, numbers, strings, None and "
+                    "dicts, lists or tuples of them; nothing was written"
+                )
         metrics = dict(metrics or {})
         extra = {**self.extra, **state.extra, **(extra or {})}
         check_saveable({"metrics": metrics, "extra": extra})  # the same on all ranks
@@ -402,6 +417,7 @@ class CheckpointManager:
                 "world_size": get_world_size(),
                 "rng": [g[0] for g in gathered],
                 "loop": [g[1] for g in gathered],
+                "loader": [g[2] for g in gathered],
                 "metrics": metrics,
                 "extra": extra,
                 "best_acc1": best[0],
@@ -538,6 +554,11 @@ class CheckpointManager:
         same = self.loop is not None and len(self.loop) == get_world_size()
         mine = self.loop[get_rank()] if same and self.loop is not None else None
         training.loop = dict(mine) if isinstance(mine, dict) else {}
+        self.loader_states = restored.loader
+        same = self.loader_states is not None and len(self.loader_states) == get_world_size()
+        training.loader_state = (
+            self.loader_states[get_rank()] if same and self.loader_states else None
+        )
         # An explicit file may be older than the newest: what follows is a new line of saves.
         self._generation = agreed.generation + 1 if path is not None else agreed.found.generation
         self._last_save = time.monotonic()
@@ -557,3 +578,13 @@ def _objects(model: Any, optimizer: Any, scheduler: Any, scaler: Any, ema: Any) 
         "scaler": scaler,
         "ema": ema,
     }
+
+
+def _loader_state(state: Any) -> tuple[Any, str | None]:
+    """A loader's state as a checkpoint stores it, or why it cannot be stored."""
+    if state is None:
+        return None, None
+    try:
+        return check_saveable(state), None
+    except TypeError as exc:
+        return None, str(exc).removeprefix("save_checkpoint: ")

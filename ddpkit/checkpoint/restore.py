@@ -34,6 +34,7 @@ class Restored:
     best_acc1: float | None
     best_epoch: int | None
     extra: dict[str, Any] | None = None
+    loader: list[Any] | None = None  # every rank's loader state (step kinds), else None
 
 
 def check_extra(name: str, saved: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
@@ -107,13 +108,14 @@ def restore_state(
     training.load(state)
     if saved == now:
         restore_rng_state(state["rng"][get_rank()])
-    extra = state.get("extra")
+    extra, loader = state.get("extra"), state.get("loader")
     return Restored(
         position,
         state.get("loop"),
         state.get("best_acc1"),
         state.get("best_epoch"),
         extra if isinstance(extra, dict) else None,
+        list(loader) if isinstance(loader, list | tuple) else None,
     )
 
 

@@ -28,7 +28,7 @@ from ddpkit.position import Position
 __all__ = ["TrainingState", "check_fits", "rank0_state"]
 
 # The fields that hold values, not objects with state_dict(): recorded as they are.
-VALUES = ("model", "position", "loop", "extra")
+VALUES = ("model", "position", "loop", "loader_state", "extra")
 # How the message names each piece, and how to resume without it.
 _WHAT = {
     "optimizer": ("optimizer", "pass optimizer=None to resume"),
@@ -65,6 +65,12 @@ class TrainingState:
             ``weights_only``-loadable values); a checkpoint keeps every
             rank's, and a resume gives back this rank's (see
             :meth:`CheckpointManager.resume`).
+        loader_state: this rank's place in its training loader's stream, the
+            ``state_dict()`` of a stateful loader (torchdata's
+            ``StatefulDataLoader``, a stateful ``IterableDataset``) after the
+            last optimizer step; None for a loader that can skip to a
+            position, and at an epoch's start. Like ``loop``, a checkpoint
+            keeps every rank's and a resume gives back this rank's.
         extra: recorded in every checkpoint beside the manager's own ``extra``
             (the trackers' runs, the run's configuration ...).
     """
@@ -76,6 +82,7 @@ class TrainingState:
     ema: nn.Module | None = None
     position: Position = field(default_factory=Position)
     loop: dict[str, Any] = field(default_factory=dict)
+    loader_state: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def pieces(self) -> dict[str, Any]:

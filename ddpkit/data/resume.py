@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from ddpkit.data.balanced import WeightedDistributedSampler
 from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler, set_epoch
+from ddpkit.data.streams import agreed_lengths, agreed_with_last, state_holder
 from ddpkit.distributed import comm
 from ddpkit.position import Position
 
@@ -44,9 +45,10 @@ class EpochBatches:
 
     Iterate it once for the remaining batches. After each batch it yields,
     :attr:`done` and :attr:`samples` count it, :attr:`last` says whether it
-    is the epoch's last on this rank (a loader without a length is read one
-    batch ahead to know), and :meth:`position` is where training stands once
-    the optimizer step that ends with it is taken.
+    is the epoch's last (on every rank: the ranks agree where it ends), and
+    :meth:`position` is where training stands once the optimizer step that
+    ends with it is taken. A loader without a length is read one batch ahead
+    to know which is the last.
 
     Attributes:
         batches: the batches still to read (replace it with a wrapper of the
@@ -55,12 +57,17 @@ class EpochBatches:
         done: batches of the epoch this rank consumed so far, those before
             the start included.
         samples: samples of the epoch's order all ranks consumed so far.
-        total: batches of the whole epoch on this rank; None if unknown.
+        total: batches of the whole epoch on this rank (the fewest any rank
+            has); None if unknown.
         step_samples: samples over all ranks that each remaining batch
             consumes; None when every batch takes ``batch_size x world_size``.
-        last: the batch just yielded is the epoch's last on this rank.
+        last: the batch just yielded is the epoch's last.
         world_size: the ranks the epoch is dealt out to.
         data: the training set's size and index digest, as a position records them.
+        dropped: batches this rank's loader held beyond the agreed end of the
+            epoch (another rank's data ended first), known once it is read.
+        holder: the object whose ``state_dict()`` is this rank's place in the
+            stream (``ddpkit.data.streams.state_holder``), or None.
     """
 
     def __init__(
@@ -79,35 +86,56 @@ class EpochBatches:
         self.batches, self.done, self.total = batches, done, total
         self.step_samples, self.epoch, self.samples = step_samples, epoch, samples
         self.world_size, self.data, self.last = world_size, data, False
+        self.dropped = 0
+        self.holder: Any = None
         self._batch_size = batch_size
+        self._agree = 1  # ranks that agree batch by batch where the epoch ends (1: none)
+        self._state: Any = None  # the holder's state after the last batch yielded
 
     def __iter__(self) -> Iterator[Any]:
-        pairs = _with_last(iter(self.batches), self.total, self.done)
-        for taken, (item, last) in enumerate(pairs):
+        items = iter(self.batches)
+        sized = self.total is not None and self._agree == 1
+        if sized:
+            assert self.total is not None
+            taking = itertools.islice(items, max(self.total - self.done, 0))
+            pairs: Iterator[tuple[Any, ...]] = _with_last(taking, self.total, self.done)
+        else:
+            dropped: list[int] = []
+            pairs = agreed_with_last(items, self.holder, self._agree, dropped)
+        for taken, (item, last, *state) in enumerate(pairs):
             self.done, self.last = self.done + 1, last
+            if state:
+                self._state = state[0]
             if self.step_samples is not None:
                 self.samples += self.step_samples[taken]
             else:
                 self.samples += (self._batch_size or _batch_size(item)) * self.world_size
             yield item
+        # Read to the end: a DataLoader stops its workers there, a stream ends its epoch, and
+        # what lay beyond the agreed end (a longer rank's share) is counted.
+        self.dropped = sum(1 for _ in items) if sized else sum(dropped)
 
     def position(self, step: int) -> Position:
         """Where training stands after optimizer step ``step`` (counted over the run), here."""
         return Position(self.epoch, self.done, self.samples, step, self.world_size, *self.data)
 
+    def loader_state(self) -> Any:
+        """The holder's ``state_dict()`` after the last batch yielded (None without a holder).
 
-def _with_last(batches: Iterator[Any], total: int | None, done: int) -> Iterator[tuple[Any, bool]]:
-    """Each batch with whether it is the epoch's last; without a length, read one ahead."""
-    if total is not None:
-        for index, item in enumerate(batches, done + 1):
-            yield item, index == total
-        return
-    end = object()
-    held = next(batches, end)
-    while held is not end:
-        following = next(batches, end)
-        yield held, following is end
-        held = following
+        Read one batch ahead, the loader is already past that batch: its state
+        was taken before the next one was read.
+        """
+        if self.holder is None:
+            return None
+        if self.total is not None and self._agree == 1:
+            return self.holder.state_dict()
+        return self._state
+
+
+def _with_last(batches: Iterator[Any], total: int, done: int) -> Iterator[tuple[Any, bool]]:
+    """Each batch with whether it is the epoch's ``total``-th."""
+    for index, item in enumerate(batches, done + 1):
+        yield item, index == total
 
 
 def _batch_size(batch: Any) -> int:
@@ -134,6 +162,7 @@ def epoch_batches(
     world_size: int | None = None,
     rank: int | None = None,
     data: tuple[int | None, str | None] | None = None,
+    loader_state: Any = None,
 ) -> EpochBatches:
     """The batches of ``epoch`` still to train on this rank, from ``start`` on (all without one).
 
@@ -142,8 +171,21 @@ def epoch_batches(
     (``build_loader``'s loaders skip the indices without reading a sample);
     on another, the samples of the epoch's order not yet consumed, dealt out
     again to every rank, each once, the same number of batches everywhere.
-    Another loader is read and the done batches dropped. Run on every rank
-    with the same ``start``. The result counts what it yields: its
+    Another loader is read and the done batches dropped, unless it keeps
+    its place itself: given ``loader_state`` (this rank's, saved with
+    ``start``), its holder (the loader, or in one read in this process its
+    sampler or dataset) loads it and the epoch goes on from there; the
+    loader's iterator is made at once, without drawing from torch's random
+    generator, so a resumed run draws what an unbroken one would.
+
+    The ranks agree where the epoch ends, so that none leaves it while
+    another is still in DDP's all-reduce: when every rank's loader has a
+    length, once (the fewest batches any rank has), else batch by batch as
+    the result is read (one small all-reduce each). A rank whose data go
+    on drops the rest (:attr:`EpochBatches.dropped`). So with an
+    initialised process group of more than one rank, every rank must call
+    this for the same epoch and read the result to its end together, or
+    it deadlocks. The result counts what it yields: its
     :meth:`EpochBatches.position` is the position a step checkpoint records.
 
     Args:
@@ -155,6 +197,8 @@ def epoch_batches(
         rank: this rank; default: this process's (``ddpkit.get_rank()``).
         data: the training set's size and digest (:func:`data_identity`),
             if the caller has them; default: taken from ``loader.dataset``.
+        loader_state: this rank's ``TrainingState.loader_state`` of ``start``
+            (a stateful loader's place), or None to skip by position.
 
     Raises:
         ValueError: ``start`` is mid-epoch on another number of ranks (or with
@@ -164,12 +208,61 @@ def epoch_batches(
     world = comm.get_world_size() if world_size is None else world_size
     me = comm.get_rank() if rank is None else rank
     identity = data_identity(getattr(loader, "dataset", None)) if data is None else data
-    part = _rest(loader, epoch, start, world, me)
-    part.epoch, part.world_size, part.data = epoch, world, identity
-    part.samples = start.samples if start is not None and start.epoch == epoch else 0
+    holder = state_holder(loader)
+    here = start is not None and start.epoch == epoch
+    if holder is not None and loader_state is not None and here:
+        if isinstance(loader, DataLoader):
+            set_epoch(loader, epoch)
+        holder.load_state_dict(loader_state)
+        assert start is not None
+        part = EpochBatches(_iter_keeping_rng(loader), start.batches, _length(loader))
+    else:
+        part = _rest(loader, epoch, start, world, me)
+    part.epoch, part.world_size, part.data, part.holder = epoch, world, identity, holder
+    part.samples = start.samples if start is not None and here else 0
     if isinstance(loader, DataLoader):
         part._batch_size = loader.batch_size
+    # Where the epoch ends, agreed by the ranks of the process group (none alone).
+    group = comm.get_world_size()
+    if group > 1:
+        sized, shortest = agreed_lengths(part.total)
+        if sized:
+            part.total = shortest
+        else:
+            part.total, part._agree = None, group
     return part
+
+
+def _skipped(loader: Iterable[Any], done: int) -> Iterator[Any]:
+    """An iterator of ``loader`` with its first ``done`` batches read and dropped, now.
+
+    Neither the iterator's start nor the batches read draw from torch's
+    random generator: in the run that took the checkpoint, those draws came
+    before it.
+    """
+    before = torch.random.get_rng_state()
+    try:
+        batches = iter(loader)
+        for _ in itertools.islice(batches, done):
+            pass
+        return batches
+    finally:
+        torch.random.set_rng_state(before)
+
+
+def _iter_keeping_rng(loader: Iterable[Any]) -> Iterator[Any]:
+    """``iter(loader)``, with torch's CPU generator as it was before.
+
+    A ``DataLoader``'s iterator draws its workers' base seed (and a
+    ``RandomSampler`` its seed) from the generator; a loader that restores
+    its place brings back those seeds from its state, and the run's random
+    numbers must go on where the checkpoint left them.
+    """
+    before = torch.random.get_rng_state()
+    try:
+        return iter(loader)
+    finally:
+        torch.random.set_rng_state(before)
 
 
 def _rest(
@@ -185,22 +278,34 @@ def _rest(
         and batch is not None
         and start.samples == start.batches * batch * world_size
     )
-    if not isinstance(loader, DataLoader) or batch is None:
+    # A stream (a DataLoader over an IterableDataset) has no order of indices to skip in.
+    stream = isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset)
+    if not isinstance(loader, DataLoader) or batch is None or stream:
+        data = getattr(loader, "dataset", None)
+        what = f"a stream ({type(data).__name__})" if stream else "the loader"
         if start.world_size != world_size:
+            fix = (
+                f"resume on {start.world_size} rank(s), or from the epoch checkpoint "
+                "(latest.pth), which starts the next epoch on any number"
+                if stream
+                else "build it with ddpkit.build_loader"
+            )
             raise ValueError(
                 f"cannot continue epoch {epoch} on {world_size} rank(s) from a checkpoint of "
-                f"{start.world_size}: the loader ({type(loader).__name__}) has no sampler "
-                "whose order is known; build it with ddpkit.build_loader"
+                f"{start.world_size}: {what} ({type(loader).__name__}) has no order of "
+                f"samples to deal out again; {fix}"
             )
         logger.warning(
-            "resuming mid-epoch: the loader (%s) cannot skip without reading, so the %d "
-            "batches already done are read again and dropped; ddpkit.build_loader skips them",
+            "resuming mid-epoch: %s (%s) cannot skip without reading, so the %d batches "
+            "already done are read again and dropped; %s",
+            what,
             type(loader).__name__,
             start.batches,
+            "a stateful loader (torchdata's StatefulDataLoader) resumes in place"
+            if stream
+            else "ddpkit.build_loader skips them",
         )
-        return EpochBatches(
-            itertools.islice(loader, start.batches, None), start.batches, _length(loader)
-        )
+        return EpochBatches(_skipped(loader, start.batches), start.batches, _length(loader))
     sampler = loader.sampler
     if regular and isinstance(sampler, EpochIndexSampler) and _plain_batches(loader):
         sampler.skip_next(start.batches * batch)

@@ -16,7 +16,14 @@ from collections.abc import Iterator, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    get_worker_info,
+)
 
 from ddpkit.distributed import comm
 from ddpkit.rng import sample_seed, seeded
@@ -238,7 +245,9 @@ def set_epoch(loader: DataLoader[Any], epoch: int) -> None:
 
     ``DistributedSampler`` shuffles with ``seed + epoch``; without this call
     every epoch repeats the first one's order. Call it before each epoch on
-    every rank. Samplers without ``set_epoch`` are left alone.
+    every rank. Samplers without ``set_epoch`` are left alone. A stream (an
+    ``IterableDataset``) with a ``set_epoch`` of its own, as Hugging Face's
+    streaming datasets have, is told too: it reshuffles its shards per epoch.
 
     Args:
         loader: a DataLoader, typically from :func:`build_loader`.
@@ -251,6 +260,8 @@ def set_epoch(loader: DataLoader[Any], epoch: int) -> None:
     """
     # A custom batch_sampler carries its own sampler; the same object twice is set once.
     samplers = {id(s): s for s in (loader.sampler, getattr(loader.batch_sampler, "sampler", None))}
+    if isinstance(loader.dataset, IterableDataset):
+        samplers[id(loader.dataset)] = loader.dataset
     for sampler in samplers.values():
         setter = getattr(sampler, "set_epoch", None)
         if callable(setter):

@@ -217,7 +217,9 @@ def train_epoch(
     run.tick("epoch_end")
     seconds = totals.seconds()
     progress.close(epoch)
-    return totals.record(epoch, rate, seconds, dev) | {"peak_memory_mb": totals.peak_mb}
+    return totals.record(epoch, rate, seconds, dev, part.dropped) | {
+        "peak_memory_mb": totals.peak_mb
+    }
 
 
 def _scale_gradients(model: nn.Module, factor: float) -> None:
@@ -280,15 +282,20 @@ class _Totals:
             "seconds": self.seconds(),
         }
 
-    def record(self, epoch: int, rate: float, seconds: float, dev: torch.device) -> dict[str, Any]:
-        """The epoch's record, summed over the ranks. All ranks must call this, or it deadlocks."""
+    def record(
+        self, epoch: int, rate: float, seconds: float, dev: torch.device, dropped: int = 0
+    ) -> dict[str, Any]:
+        """The epoch's record, summed over the ranks. All ranks must call this, or it deadlocks.
+
+        ``dropped``: batches this rank's loader held beyond the epoch's agreed end.
+        """
         counts = [float(self.samples), self.waited, seconds]
         total = comm.all_reduce_sum(
             torch.cat([self.loss_sum[None], torch.tensor(counts, device=dev, dtype=torch.float64)])
         )
         global_samples = int(total[1].item())
         self.peak_mb = peak_memory_mb(dev)
-        ranks = _ranks_apart(self.waited, seconds, self.peak_mb)
+        ranks = _ranks_apart(self.waited, seconds, self.peak_mb, dropped)
         if ranks:
             self.peak_mb = max(ranks.pop("rank_peak_mb"))
         return ranks | {
@@ -302,17 +309,33 @@ class _Totals:
         }
 
 
-def _ranks_apart(waited: float, seconds: float, peak_mb: float) -> dict[str, Any]:
-    """Each rank's data wait and compute, their spread, and the straggler: one gather per epoch.
+def _ranks_apart(waited: float, seconds: float, peak_mb: float, dropped: int) -> dict[str, Any]:
+    """Each rank's data wait and compute, their spread, the straggler: one gather per epoch.
 
-    Nothing (and no collective) in a single process. All ranks must call this, or it deadlocks.
+    With ``rank_dropped_batches`` when a rank's data went on past the epoch's
+    agreed end. Nothing (and no collective) in a single process, where a
+    batch beyond the loader's length (one that says too few) is only logged.
+    All ranks must call this, or it deadlocks.
     """
     if comm.get_world_size() < 2:
+        if dropped:
+            logger.warning(
+                "the training loader yielded %d batch(es) beyond its length; they were "
+                "not trained on",
+                dropped,
+            )
         return {}
-    timings = gather_timings(waited, seconds, peak_mb)
+    timings = gather_timings(waited, seconds, peak_mb, dropped)
     totals = [t["data_s"] + t["compute_s"] for t in timings]
     middle = statistics.median(totals)
-    return {
+    apart = [t["dropped"] for t in timings]
+    if any(apart) and comm.get_rank() == 0:
+        logger.warning(
+            "the ranks' training data ended apart: every rank stopped the epoch after the "
+            "same step, and dropped %s",
+            ", ".join(f"{n} batch(es) on rank {r}" for r, n in enumerate(apart) if n),
+        )
+    return ({"rank_dropped_batches": apart} if any(apart) else {}) | {
         "rank_data_s": [t["data_s"] for t in timings],
         "rank_compute_s": [t["compute_s"] for t in timings],
         "rank_spread": (max(totals) - min(totals)) / middle if middle > 0 else 0.0,

@@ -42,6 +42,7 @@ from ddpkit.checkpoint import CheckpointManager
 from ddpkit.checkpoint.serialization import CheckpointError
 from ddpkit.checkpoint.sync import claim_directory
 from ddpkit.data.resume import EpochBatches, check_start, data_change, epoch_batches
+from ddpkit.data.streams import loader_states_for, state_holder
 from ddpkit.distributed import comm
 from ddpkit.distributed.job import restore_environ
 from ddpkit.distributed.recorder import point_dumps
@@ -100,6 +101,7 @@ class StepGuard:
         self._world, self._rank = comm.get_world_size(), comm.get_rank()
         self._stack = contextlib.ExitStack()
         self._started: set[int] = set()  # loaders whose persistent workers run
+        self._loader_state: Any = None  # the resumed place in a stateful loader's stream
 
     # -- the context ---------------------------------------------------------------------
 
@@ -151,14 +153,18 @@ class StepGuard:
         position against ``loader``: a mid-epoch position taken on other data
         is refused, or with ``faults.on_data_change="next_epoch"`` moved to the
         next epoch's start (the bound per-epoch scheduler stepped as that
-        epoch's end would). Without a checkpoint, a fresh run claims the
+        epoch's end would). A stateful loader's saved place (every rank's, in a
+        step checkpoint) is taken for :meth:`batches`; mid-epoch on another
+        number of ranks it is refused, unless the state says it may be
+        re-split. Without a checkpoint, a fresh run claims the
         directory: another run's files there are refused now, not at the first
         save. All ranks must call this, or it deadlocks.
 
         Raises:
             CheckpointError: no checkpoint is loadable, the data changed
-                (``on_data_change="error"``), or the position is beyond this
-                loader's epoch; names the checkpoint.
+                (``on_data_change="error"``), the position is beyond this
+                loader's epoch, or a stream's places were saved on another
+                number of ranks; names the checkpoint.
         """
         manager = self.checkpoints
         if manager is None:
@@ -173,9 +179,34 @@ class StepGuard:
         state = manager.state
         mid = start is not None and start.mid_epoch
         self.loop = dict(state.loop) if state is not None and mid else {}
+        self._loader_state = self._place(loader, mid) if start is not None else None
         if state is not None and start is not None:
             state.position = start
         return start.epoch if start is not None else 0
+
+    def _place(self, loader: Iterable[Any], mid: bool) -> Any:
+        """This rank's saved place in a stateful loader's stream, checked; None: by position."""
+        manager = self.checkpoints
+        assert manager is not None
+        saved = manager.loader_states
+        if not saved or all(s is None for s in saved):
+            return None
+        if state_holder(loader) is None:
+            if mid and self._rank == 0:
+                warnings.warn(
+                    f"{manager.resumed_checkpoint} holds the training loader's place in its "
+                    "stream, but this loader has no load_state_dict(): the batches already done "
+                    "are read again and dropped",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return None
+        try:
+            return loader_states_for(
+                saved, self._world, self._rank, mid, str(manager.resumed_checkpoint)
+            )
+        except ValueError as exc:
+            raise CheckpointError(f"{exc}. {see('checkpoints')}") from None
 
     def _checked(self, start: Position, loader: Iterable[Any]) -> Position:
         manager = self.checkpoints
@@ -225,7 +256,10 @@ class StepGuard:
         batch and when it computes (a loader starting its workers is never timed).
         """
         start = self.start if self.start is not None and self.start.epoch == epoch else None
-        part = epoch_batches(loader, epoch, start, world_size=self._world, rank=self._rank)
+        place, self._loader_state = (self._loader_state, None) if start else (None, None)
+        part = epoch_batches(
+            loader, epoch, start, world_size=self._world, rank=self._rank, loader_state=place
+        )
         if self.watchdog is not None:
             # The rest of a resumed epoch may come from a loader of its own, with its workers.
             source = part.batches if isinstance(part.batches, DataLoader) else loader
@@ -302,9 +336,12 @@ class StepGuard:
             self.control.request_stop(f"rank {self._rank}: {type(error).__name__}: {error}")
         actions = self.control.after_step(self.step)
         if actions.stop is not None:
+            if manager is not None:
+                _keep_place(manager, part)
             self._stop(actions.stop, position, loop)
         if manager is not None and actions.save and not last:
             self.progress("save")
+            _keep_place(manager, part)
             manager.save_step(position, loop=_totals(loop), block=False)
         return actions
 
@@ -326,6 +363,7 @@ class StepGuard:
             if manager.state is not None:
                 data = manager.state.position.data_size, manager.state.position.data_digest
                 manager.state.position = Position(epoch + 1, 0, 0, self.step, self._world, *data)
+                manager.state.loader_state = None  # the next epoch starts its stream afresh
             manager.checkpoint("epoch", metrics=metrics, block=False)
         stop = self.control.stop_at_epoch_end()
         if stop is not None:
@@ -356,6 +394,12 @@ class StepGuard:
             Preempted(stop.detail).code,
         )
         raise Preempted(stop.detail, str(path) if path is not None else None, self.step)
+
+
+def _keep_place(manager: CheckpointManager, part: EpochBatches | Position) -> None:
+    """Put this rank's place in a stateful loader's stream into the bound state, to be saved."""
+    if isinstance(part, EpochBatches) and part.holder is not None and manager.state is not None:
+        manager.state.loader_state = part.loader_state()
 
 
 def _totals(loop: Totals) -> Any:

@@ -72,6 +72,11 @@ def epoch_line(record: dict[str, Any], epochs: int | None = None) -> str:
     straggler = record.get("straggler")
     if isinstance(straggler, dict):
         line += "; " + straggler_text(straggler)
+    dropped = record.get("rank_dropped_batches")
+    if isinstance(dropped, list) and any(dropped):
+        line += "; data ended apart, batches dropped: " + ", ".join(
+            f"{n} on rank {r}" for r, n in enumerate(dropped) if n
+        )
     if isinstance(wait, float) and wait > DATA_WAIT_WARNING:
         line += (
             f"; data loading is the bottleneck ({wait:.0%} of the time waiting for batches): "

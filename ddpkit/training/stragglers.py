@@ -23,8 +23,12 @@ THRESHOLD = 0.10
 """A rank this much slower than the median (a share of the median rank's epoch) is named."""
 
 
-def gather_timings(data_s: float, seconds: float, peak_mb: float = 0.0) -> list[dict[str, Any]]:
-    """Every rank's ``{"host", "data_s", "compute_s", "peak_mb"}`` for the epoch, in rank order.
+def gather_timings(
+    data_s: float, seconds: float, peak_mb: float = 0.0, dropped: int = 0
+) -> list[dict[str, Any]]:
+    """Every rank's ``{"host", "data_s", "compute_s", "peak_mb", "dropped"}``, in rank order.
+
+    ``dropped``: the batches the rank's loader held beyond the epoch's agreed end.
 
     All ranks must call this, or it deadlocks.
     """
@@ -33,6 +37,7 @@ def gather_timings(data_s: float, seconds: float, peak_mb: float = 0.0) -> list[
         "data_s": data_s,
         "compute_s": max(seconds - data_s, 0.0),
         "peak_mb": peak_mb,
+        "dropped": dropped,
     }
     return comm.all_gather_object(mine)
 

@@ -1,0 +1,119 @@
+"""Streams in one process: whose state is the place, the place after a batch, saved places."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from stream_jobs import BATCH, StatefulStream, Stream, make_loader
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+from ddpkit import Position, epoch_batches, set_epoch
+from ddpkit.data.streams import ANY_WORLD_SIZE, loader_states_for, state_holder
+
+
+class _StatefulSampler(Sampler[int]):
+    def __init__(self) -> None:
+        self.at = 0
+
+    def __iter__(self) -> Any:
+        return iter(range(8))
+
+    def __len__(self) -> int:
+        return 8
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.at = state["at"]
+
+
+def test_the_holder_is_the_loader_else_its_sampler_or_dataset_read_in_this_process() -> None:
+    pytest.importorskip("torchdata")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    stream = StatefulStream(8, 0)
+    loader = StatefulDataLoader(stream, batch_size=2)
+    assert state_holder(loader) is loader
+    assert state_holder(DataLoader(stream, batch_size=2)) is stream
+    sampler = _StatefulSampler()
+    assert state_holder(DataLoader(range(8), sampler=sampler)) is sampler
+    assert state_holder(DataLoader(Stream(8, 0), batch_size=2)) is None
+    assert state_holder([torch.zeros(2)]) is None
+    with pytest.warns(RuntimeWarning, match="StatefulDataLoader"):
+        assert state_holder(DataLoader(stream, batch_size=2, num_workers=1)) is None
+
+
+def test_read_one_batch_ahead_the_place_is_the_one_after_the_batch_yielded() -> None:
+    loader = make_loader("stateful-dataset", 5 * BATCH, 0, 0, {})
+    part = epoch_batches(loader, 0)
+    assert part.total is None
+    assert part.holder is loader.dataset
+    places = []
+    for _ in part:  # without a length: the next batch is already read when this one comes
+        places.append(part.loader_state()["next"])
+        assert loader.dataset.next == min(places[-1] + BATCH, 5 * BATCH) or part.last
+    assert places == [4, 8, 12, 16, 20]
+    assert part.dropped == 0
+
+
+def test_a_saved_place_continues_the_epoch_where_it_stood_and_keeps_the_generator() -> None:
+    loader = make_loader("stateful-dataset", 5 * BATCH, 3, 0, {})
+    whole = [targets.tolist() for _, targets in epoch_batches(loader, 0)]
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    start = Position(0, 2, 2 * BATCH, 2, 1)
+    part = epoch_batches(loader, 0, start, loader_state={"next": 2 * BATCH})
+    assert torch.equal(torch.random.get_rng_state(), before)  # the iterator drew nothing
+    assert [targets.tolist() for _, targets in part] == whole[2:]
+    assert part.done == 5
+    assert part.samples == 5 * BATCH
+
+
+def test_a_plain_stream_is_read_up_to_its_place_without_drawing_random_numbers() -> None:
+    loader = make_loader("plain", 5 * BATCH, 3, 0, {})
+    whole = [targets.tolist() for _, targets in epoch_batches(loader, 0)]
+    before = torch.random.get_rng_state()
+    part = epoch_batches(loader, 0, Position(0, 3, 3 * BATCH, 3, 1))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert [targets.tolist() for _, targets in part] == whole[3:]
+
+
+def test_a_loader_longer_than_its_length_says_is_counted_not_trained() -> None:
+    class Lying(IterableDataset[int]):
+        def __iter__(self) -> Any:
+            return iter(range(12))
+
+        def __len__(self) -> int:
+            return 8
+
+    part = epoch_batches(DataLoader(Lying(), batch_size=4), 0)
+    assert part.total == 2
+    assert len(list(part)) == 2
+    assert part.last
+    assert part.dropped == 1
+
+
+def test_saved_places_go_to_their_rank_and_another_world_needs_a_resplittable_state() -> None:
+    saved = [{"next": 4}, {"next": 8}]
+    assert loader_states_for(saved, 2, 1, True, "step-8.pth") == {"next": 8}
+    assert loader_states_for([None, None], 2, 0, True, "x") is None
+    assert loader_states_for(saved, 3, 0, False, "latest.pth") is None  # an epoch's start
+    with pytest.raises(ValueError, match=r"step-8.pth holds .* 2 rank\(s\) .* has 3"):
+        loader_states_for(saved, 3, 0, True, "step-8.pth")
+    free = [{"n": 4, ANY_WORLD_SIZE: True}, {"n": 4, ANY_WORLD_SIZE: True}]
+    assert loader_states_for(free, 3, 2, True, "x") == free[0]
+
+
+def test_set_epoch_reaches_a_stream_with_a_set_epoch_of_its_own() -> None:
+    class Epochs(Stream):
+        epoch = -1
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+    stream = Epochs(4, 0)
+    set_epoch(DataLoader(stream, batch_size=2), 3)
+    assert stream.epoch == 3
