@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml ddpkit/_version.py | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all lint bench venv clean
+.PHONY: demo test test-all check gpu-check lint bench venv clean
 
 venv: $(STAMP)
 
@@ -52,6 +52,21 @@ test: lint
 # The same, with the longer variants marked slow (tests/conftest.py; docs/testing.md lists them).
 test-all:
 	@$(MAKE) --no-print-directory test PYTEST_ARGS="--slow $(PYTEST_ARGS)"
+
+# The inner loop while working: lint, then the single-process tests of the parts the working
+# tree changes (tests/changed.py; all of them when it cannot tell), two at a time. The tests
+# that start several processes (marker serial) and the docs' runs are make test's.
+check: lint
+	@start=$$(date +%s); \
+	$(BIN)/python -m pytest -q -n 2 --timeout=120 -m "not serial and not gpu" \
+		$$($(BIN)/python tests/changed.py) $(PYTEST_ARGS); status=$$?; \
+	echo "make check: $$(($$(date +%s) - start)) s of pytest (single-process tests, status $$status)"; \
+	[ $$status -eq 0 ] || [ $$status -eq 5 ]
+
+# The GPU battery (tests/gpu) and benchmarks/gpu.py in one table, within 8 minutes; without
+# CUDA it says so, lists its checks and exits 0.
+gpu-check: $(STAMP)
+	$(BIN)/python tests/gpu/gpu_check.py
 
 # Every benchmarks/*.py except the _helpers; each prints ratios measured side by side.
 bench: $(STAMP)

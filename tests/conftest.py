@@ -134,6 +134,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # A long loop whose guarantee a faster test of the default run already covers once
     # (docs/testing.md lists them): left out unless --slow is given.
     config.addinivalue_line("markers", "slow: a longer variant; run only with --slow")
+    # The GPU battery (tests/gpu): skipped without CUDA; `make gpu-check` runs it on a GPU.
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; run by make gpu-check")
 
 
 def _group(nodeid: str) -> str | None:

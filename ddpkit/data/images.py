@@ -38,6 +38,7 @@ __all__ = [
     "decode_pil",
     "decode_tensor",
     "image_size",
+    "jpeg_for_decoder",
     "pixel_limit",
     "prepare_image",
     "tensor_decoders",
@@ -304,6 +305,29 @@ def decode_tensor(raw: Buffer, *, max_pixels: int | None = None) -> torch.Tensor
     if kind == "jpeg" and _uniform_corner(pixels):
         check_jpeg_data(raw)
     return image
+
+
+def jpeg_for_decoder(
+    raw: Buffer, *, max_pixels: int | None = None
+) -> tuple[bytearray, int, int] | None:
+    """A JPEG as any decoder reads it alike, with its width and height from the header.
+
+    The bytes are a copy whose APP1 segments no decoder reads (no EXIF
+    orientation applied, as in :func:`decode_tensor`); the size is checked
+    against ``max_pixels``. None for another format, or a JPEG header out of
+    the ordinary (:func:`decode_tensor` reads those).
+
+    Raises:
+        ImageTooLargeError: the header claims more pixels than the limit.
+    """
+    if _kind(raw) != "jpeg":
+        return None
+    size, app1 = _jpeg_header(raw)
+    if size is None:
+        return None
+    width, height = size
+    _check_pixels(width, height, max_pixels)
+    return (_without_orientation(raw, app1) if app1 else bytearray(raw)), width, height
 
 
 def _animated_webp(raw: Buffer) -> bool:

@@ -21,6 +21,7 @@ import lmdb
 import numpy as np
 from torch.utils.data import Dataset
 
+from ddpkit.data import gpu_decode
 from ddpkit.data.images import decode_pil, decode_tensor, pixel_limit
 from ddpkit.data.lmdb_format import (
     LEGACY_KEYS,
@@ -35,8 +36,8 @@ from ddpkit.data.lmdb_format import (
 
 __all__ = ["Decode", "LazyLMDBDataset"]
 
-Decode = Literal["tensor", "pil", "bytes"]
-_DECODES = ("tensor", "pil", "bytes")
+Decode = Literal["tensor", "pil", "bytes", "cuda"]
+_DECODES = ("tensor", "pil", "bytes", "cuda")
 PathLike = str | os.PathLike[str]
 
 
@@ -52,7 +53,12 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
             (TorchCodec's decoders for JPEG and WebP, Pillow for the rest:
             :func:`ddpkit.data.images.decode_tensor`; grayscale, CMYK and
             alpha are converted); ``"pil"``: an RGB ``PIL.Image``; ``"bytes"``: the
-            stored bytes.
+            stored bytes; ``"cuda"``: decoded on the GPU, a batch at a time, in
+            the training process (``ddpkit.data.gpu_decode``): the workers hand
+            over each JPEG's bytes and the crop box ``transform`` (ddpkit's
+            ``train_transform`` or ``val_transform``, without presets) drew
+            from the same random numbers as for ``"tensor"``; other formats
+            are decoded on the CPU by the worker, counted. Needs CUDA.
         readahead: let the OS read ahead in the file. Off by default: random
             access over a dataset larger than RAM only wastes I/O with it.
         max_pixels: the most pixels a stored image may have, checked from its
@@ -64,7 +70,8 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         FileNotFoundError: a path does not exist.
         LMDBFormatError: a path is not a ddpkit LMDB (the message says how to
             convert a folder2lmdb database) or the shards' classes differ.
-        ValueError: an unknown ``decode``, or ``max_pixels`` below 1.
+        ValueError: an unknown ``decode``, ``max_pixels`` below 1, or
+            ``decode="cuda"`` without CUDA or with another transform.
 
     Example:
         >>> train = LazyLMDBDataset("data/train.lmdb", train_transform(224))
@@ -84,6 +91,9 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         if decode not in _DECODES:
             raise ValueError(f"decode must be one of {_DECODES}, got {decode!r}")
         pixel_limit(max_pixels)  # refuses a bad value now, not in a worker later
+        if decode == "cuda":
+            gpu_decode.require_cuda()
+            _check_gpu_transform(transform)
         self.max_pixels = max_pixels
         paths = [path] if isinstance(path, str | os.PathLike) else list(path)
         if not paths:
@@ -210,6 +220,8 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         if self.decode == "bytes":
             return bytes(raw)
         try:
+            if self.decode == "cuda":
+                return gpu_decode.encode(raw, max_pixels=self.max_pixels)
             if self.decode == "pil":
                 return decode_pil(raw, max_pixels=self.max_pixels)
             return decode_tensor(raw, max_pixels=self.max_pixels)
@@ -337,3 +349,15 @@ def _identity_or_none(path: str) -> Identity | None:
 def _preview(classes: Sequence[str]) -> str:
     shown = ", ".join(classes[:4])
     return shown + (", ..." if len(classes) > 4 else "")
+
+
+def _check_gpu_transform(transform: Any) -> None:
+    """``decode="cuda"`` plans its crop in the worker: only ddpkit's crops know how."""
+    from ddpkit.data.transforms import planned_on_gpu
+
+    if not planned_on_gpu(transform):
+        raise ValueError(
+            f"decode='cuda' takes ddpkit.train_transform(size) or ddpkit.val_transform(size) "
+            f"(without auto_augment or random_erase), whose crop the GPU takes after decoding; "
+            f"got {transform!r}. Use decode='tensor' for another transform"
+        )

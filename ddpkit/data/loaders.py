@@ -28,7 +28,7 @@ from torch.utils.data import (
 
 from ddpkit import _graveyard
 from ddpkit._docs import see
-from ddpkit.data import samplers
+from ddpkit.data import gpu_decode, samplers
 from ddpkit.data._forkserver_group import keep_forkserver_apart
 from ddpkit.data.balanced import WeightedDistributedSampler, class_weights
 from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler, SeededSamples
@@ -409,6 +409,8 @@ def build_loader(
     in_workers = workers > 0
     if in_workers:
         keep_forkserver_apart(multiprocessing_context)
+    if collate_fn is None and getattr(dataset, "decode", None) == "cuda":
+        collate_fn = gpu_decode.collate  # encoded images: a batch the GPU decodes
     return DataLoader(
         loaded,
         batch_size=per_process,

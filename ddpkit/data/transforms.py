@@ -14,12 +14,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
 
 import torch
-import torch.nn.functional as nnf
 from torchvision import transforms as tv1
 from torchvision.transforms import v2
-from torchvision.transforms.v2 import functional as tvf
 
 from ddpkit._docs import see
+from ddpkit.data.gpu_decode import Encoded, centre_crop, crop_resize
 
 __all__ = [
     "AUTO_AUGMENTS",
@@ -116,22 +115,16 @@ class _TensorTrainTransform:
         w, h = min(width, round(height * aspect)), min(height, round(width / aspect))
         return (height - h) // 2, (width - w) // 2, h, w
 
-    def __call__(self, img: torch.Tensor) -> torch.Tensor:
-        _check_chw(img)
+    def __call__(self, img: Any) -> Any:
         # The flip's draw is taken with hflip=False too: a seed gives the same box either way.
+        if isinstance(img, Encoded):  # decode="cuda": the same draws, the crop on the GPU later
+            u = torch.rand(4 * _ATTEMPTS + 1, dtype=torch.float64).tolist()
+            box = self._box(img.height, img.width, u)
+            return img.cropped(box, self.hflip and u[-1] < 0.5, self.size)
+        _check_chw(img)
         u = torch.rand(4 * _ATTEMPTS + 1, dtype=torch.float64).tolist()
-        top, left, h, w = self._box(img.shape[-2], img.shape[-1], u)
-        crop = img[:, top : top + h, left : left + w]
-        if img.device.type == "cpu":
-            # interpolate has a native uint8 kernel on the CPU; elsewhere let
-            # torchvision pick a dtype the device supports.
-            out = nnf.interpolate(crop[None], (self.size,) * 2, mode="bilinear", antialias=True)[0]
-        else:
-            out = tvf.resize(crop, [self.size, self.size], antialias=True)
-        # contiguous() before flip: a channels-last input gives a channels-last
-        # resize, and flip of a contiguous tensor is contiguous (one copy, not two).
-        out = out.contiguous()
-        out = out.flip(-1) if self.hflip and u[-1] < 0.5 else out
+        box = self._box(img.shape[-2], img.shape[-1], u)
+        out = crop_resize(img, box, self.hflip and u[-1] < 0.5, self.size)
         if self.augment is not None:
             out = self.augment(out).contiguous()
         if self.erase is not None:
@@ -152,13 +145,25 @@ class _TensorValTransform:
     def __init__(self, size: int, resize: int) -> None:
         self.size, self.resize = size, resize
 
-    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+    def __call__(self, img: Any) -> Any:
+        if isinstance(img, Encoded):  # decode="cuda": resized and cropped on the GPU later
+            return img.centred(self.resize, self.size)
         _check_chw(img)
-        out: torch.Tensor = tvf.center_crop(tvf.resize(img, [self.resize]), [self.size] * 2)
-        return out.contiguous()
+        return centre_crop(img, self.resize, self.size)
 
     def __repr__(self) -> str:
         return f"val_transform({self.size}, {self.resize})"
+
+
+def planned_on_gpu(transform: Any) -> bool:
+    """Whether ``transform`` can plan its work for a batch decoded on the GPU (decode="cuda")."""
+    if isinstance(transform, _TensorValTransform):
+        return True
+    return (
+        isinstance(transform, _TensorTrainTransform)
+        and transform.augment is None
+        and transform.erase is None
+    )
 
 
 def _check_chw(img: Any) -> None:

@@ -83,6 +83,19 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             "--multiprocessing-distributed starts one process per GPU and no GPU is "
             "visible: pass --nprocs N to run N CPU processes with Gloo"
         )
+    if args.decode == "cuda":
+        if not torch.cuda.is_available():
+            p.error(
+                "--decode cuda decodes each batch on the GPU (TorchCodec's CUDA JPEG decoder, "
+                "nvJPEG) and this machine has no CUDA device (torch.cuda.is_available() is "
+                "False): drop it, or use --decode tensor (the workers decode on the CPU)"
+            )
+        if args.auto_augment is not None or args.random_erase:
+            p.error(
+                "--decode cuda crops, flips and resizes on the GPU; --auto-augment and "
+                "--random-erase run in the workers on decoded images: use --decode tensor "
+                "with them"
+            )
     if args.freeze_backbone and args.pretrained is None:
         p.error(
             "--freeze-backbone trains only the head on the backbone's features, which are "
@@ -174,6 +187,14 @@ def _add_flags(flag: _Adder) -> None:
         metavar="N",
         help="data workers per node, divided over its processes rounded\n"
         "up (-j 4 on 8 GPUs: 1 each); default: a CPU share, at most 8",
+    )
+    flag(
+        "--decode",
+        choices=("tensor", "cuda"),
+        default="tensor",
+        help="where images decode: tensor (in the data workers, on the\n"
+        "CPU) or cuda (a batch at a time on the GPU, nvJPEG; the\n"
+        "workers only read bytes and draw the crops)",
     )
     flag(
         "--worker-start",

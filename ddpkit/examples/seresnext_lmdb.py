@@ -85,9 +85,10 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         magnitude=args.aug_magnitude,
         random_erase=args.random_erase,
     )
-    train_set = ddpkit.LazyLMDBDataset(data / "train.lmdb", transform=train_tf)
+    decode = args.decode  # "cuda": each batch decodes on the GPU, the workers draw the crops
+    train_set = ddpkit.LazyLMDBDataset(data / "train.lmdb", transform=train_tf, decode=decode)
     val_tf = ddpkit.val_transform(size, round(size * 256 / 224))
-    val_set = ddpkit.LazyLMDBDataset(data / "val.lmdb", transform=val_tf)
+    val_set = ddpkit.LazyLMDBDataset(data / "val.lmdb", transform=val_tf, decode=decode)
     classes = args.num_classes or len(train_set.classes)
     loading: dict[str, Any] = {
         "workers": workers_per_process(args.workers, info.local_world_size),

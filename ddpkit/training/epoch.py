@@ -26,6 +26,7 @@ from torch import nn
 from ddpkit._docs import see
 from ddpkit.checkpoint import CheckpointManager
 from ddpkit.checkpoint.state import TrainingState
+from ddpkit.data import gpu_decode
 from ddpkit.data.resume import EpochBatches
 from ddpkit.distributed import comm
 from ddpkit.distributed.parallel import no_sync, unwrap_model
@@ -184,6 +185,9 @@ def train_epoch(
     """
     part = run.guard.batches(loader, epoch)
     state, config, dev = run.state, run.config, run.device
+    # decode="cuda": batches decode on the device; what fell back to the CPU is counted.
+    on_gpu = getattr(getattr(loader, "dataset", None), "decode", None) == "cuda"
+    cpu_before = gpu_decode.cpu_decoded()
     state.model.train()
     accum = config.grad_accum
     totals = _Totals.carried_over(carried or {}, dev)
@@ -217,9 +221,10 @@ def train_epoch(
     run.tick("epoch_end")
     seconds = totals.seconds()
     progress.close(epoch)
-    return totals.record(epoch, rate, seconds, dev, part.dropped) | {
-        "peak_memory_mb": totals.peak_mb
-    }
+    record = totals.record(epoch, rate, seconds, dev, part.dropped)
+    if on_gpu:  # the same condition on every rank: one more sum
+        record["cpu_decoded"] = comm.all_reduce_sum(gpu_decode.cpu_decoded() - cpu_before)
+    return record | {"peak_memory_mb": totals.peak_mb}
 
 
 def _scale_gradients(model: nn.Module, factor: float) -> None:

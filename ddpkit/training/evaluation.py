@@ -93,9 +93,14 @@ def evaluate(
 
 
 def to_device(
-    images: torch.Tensor, targets: torch.Tensor, device: torch.device, normalize: Normalize | None
+    images: Any, targets: torch.Tensor, device: torch.device, normalize: Normalize | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    images = images.to(device, non_blocking=True)
+    """A batch on ``device``; uint8 images normalised there.
+
+    An :class:`~ddpkit.data.gpu_decode.EncodedBatch` (``decode="cuda"``) is
+    decoded on ``device`` here, a batch at a time.
+    """
+    images = images.to(device, non_blocking=True)  # an EncodedBatch decodes there
     targets = targets.to(device, non_blocking=True)
     if normalize is not None and images.dtype == torch.uint8:
         images = normalize_batch(images, *normalize)

@@ -47,9 +47,15 @@ def main() -> None:
         level=logging.INFO,
         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s",
     )
-    enable_recorder("gloo")
+    # The GPU battery runs the desync over NCCL, one GPU per rank (DDPKIT_HANG_BACKEND=nccl).
+    backend = os.environ.get("DDPKIT_HANG_BACKEND", "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    enable_recorder(backend)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
@@ -64,11 +70,11 @@ def main() -> None:
         if step == 1 and scenario == "desync" and rank == 2:
             os.kill(os.getpid(), signal.SIGUSR2)  # a user asks how the job is doing
         if step == BAD_STEP and scenario == "desync" and rank == 1:
-            share_rank_1_state(torch.zeros(7))
+            share_rank_1_state(torch.zeros(7, device=device))
         elif step == BAD_STEP and scenario == "stop_kill" and rank in (1, 2):
             os.kill(os.getpid(), signal.SIGSTOP if rank == 1 else signal.SIGKILL)
         else:
-            sum_gradients(torch.ones(3))
+            sum_gradients(torch.ones(3, device=device))
         watchdog.progress(step + 1, "done")
     watchdog.stop()
     dist.destroy_process_group()
