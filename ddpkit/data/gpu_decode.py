@@ -61,12 +61,31 @@ class Encoded:
     its size, and what to make of it (a crop box, a flip and a side; or a resize and a
     centre crop)."""
 
-    __slots__ = ("box", "data", "flip", "height", "pixels", "resize", "size", "width")
+    __slots__ = (
+        "box",
+        "data",
+        "flip",
+        "height",
+        "max_pixels",
+        "pixels",
+        "resize",
+        "size",
+        "where",
+        "width",
+    )
 
     def __init__(
-        self, data: torch.Tensor | None, pixels: torch.Tensor | None, height: int, width: int
+        self,
+        data: torch.Tensor | None,
+        pixels: torch.Tensor | None,
+        height: int,
+        width: int,
+        *,
+        where: str = "an image",
+        max_pixels: int | None = None,
     ) -> None:
         self.data, self.pixels, self.height, self.width = data, pixels, height, width
+        self.where, self.max_pixels = where, max_pixels  # for a message, and a CPU decode
         self.box: Box | None = None
         self.flip = False
         self.size: int | None = None
@@ -92,6 +111,8 @@ class Encoded:
             self.flip,
             self.size,
             self.resize,
+            self.where,
+            self.max_pixels,
         )
 
     def __repr__(self) -> str:
@@ -100,20 +121,31 @@ class Encoded:
 
 
 def _rebuilt(
-    data: Any, pixels: Any, height: int, width: int, box: Any, flip: bool, size: Any, resize: Any
+    data: Any,
+    pixels: Any,
+    height: int,
+    width: int,
+    box: Any,
+    flip: bool,
+    size: Any,
+    resize: Any,
+    where: str,
+    max_pixels: int | None,
 ) -> Encoded:
-    item = Encoded(data, pixels, height, width)
+    item = Encoded(data, pixels, height, width, where=where, max_pixels=max_pixels)
     item.box, item.flip, item.size, item.resize = box, flip, size, resize
     return item
 
 
-def encode(raw: Buffer, *, max_pixels: int | None = None) -> Encoded:
+def encode(raw: Buffer, *, max_pixels: int | None = None, where: str = "an image") -> Encoded:
     """What a worker hands over for the image ``raw``: a JPEG's bytes, else its pixels.
 
     A JPEG keeps its bytes, its APP1 segments hidden so that no decoder applies
     an EXIF orientation (as :func:`~ddpkit.data.images.decode_tensor`), its size
     read from the header and checked against ``max_pixels``. Any other format,
     or a JPEG header out of the ordinary, is decoded here on the CPU, counted.
+    ``where`` names the image in the message of a JPEG that later does not
+    decode (``"sample 7 (record 7 of train.lmdb)"``).
 
     Raises:
         ImageTooLargeError: the header claims more pixels than the limit.
@@ -121,9 +153,10 @@ def encode(raw: Buffer, *, max_pixels: int | None = None) -> Encoded:
     jpeg = jpeg_for_decoder(raw, max_pixels=max_pixels)
     if jpeg is not None:
         data, width, height = jpeg
-        return Encoded(torch.frombuffer(data, dtype=torch.uint8), None, height, width)
+        array = torch.frombuffer(data, dtype=torch.uint8)
+        return Encoded(array, None, height, width, where=where, max_pixels=max_pixels)
     pixels = decode_tensor(raw, max_pixels=max_pixels)
-    return Encoded(None, pixels, int(pixels.shape[-2]), int(pixels.shape[-1]))
+    return Encoded(None, pixels, int(pixels.shape[-2]), int(pixels.shape[-1]), where=where)
 
 
 class EncodedBatch:
@@ -185,11 +218,27 @@ class EncodedBatch:
             for i, image in zip(jpegs, decoded, strict=True):
                 item = self.items[i]
                 if image is None or tuple(image.shape[-2:]) != (item.height, item.width):
-                    assert item.data is not None
-                    image = decode_tensor(item.data.numpy().tobytes()).to(device)
+                    image = _on_the_cpu(item).to(device)
                     self.cpu_decoded += 1
                 images[i] = image
         return [image for image in images if image is not None]
+
+
+def _on_the_cpu(item: Encoded) -> torch.Tensor:
+    """A JPEG the GPU decoder refused, decoded on the CPU; a damaged one named.
+
+    Raises:
+        ValueError: the image does not decode; names it and ``ddpkit lmdb verify``.
+    """
+    assert item.data is not None
+    try:
+        return decode_tensor(item.data.numpy().tobytes(), max_pixels=item.max_pixels)
+    except Exception as exc:
+        raise ValueError(
+            f"{item.where} does not decode as an image: {type(exc).__name__}: {exc}. "
+            "`ddpkit lmdb verify` lists every bad record. "
+            + see("data-lmdb-databases-datasets-loaders")
+        ) from exc
 
 
 def _decode_jpegs(items: list[Encoded], device: torch.device) -> list[torch.Tensor | None]:
@@ -254,8 +303,23 @@ def collate(batch: list[Any]) -> Any:
     becomes ``(EncodedBatch, targets)``: its images decode in the training process."""
     if batch and isinstance(batch[0], tuple | list) and isinstance(batch[0][0], Encoded):
         targets = default_collate([sample[1] for sample in batch])
-        return EncodedBatch([sample[0] for sample in batch]), targets
+        items = [sample[0] for sample in batch]
+        _one_buffer(items)
+        return EncodedBatch(items), targets
     return default_collate(batch)
+
+
+def _one_buffer(items: list[Encoded]) -> None:
+    """Every JPEG's bytes as a view of one buffer: the batch crosses to the training
+    process in one shared-memory segment, not one (and a file descriptor) per image."""
+    parts = [item.data for item in items if item.data is not None]
+    if len(parts) < 2:
+        return
+    buffer, offset = torch.cat(parts), 0
+    for item in items:
+        if item.data is not None:
+            length = item.data.numel()
+            item.data, offset = buffer[offset : offset + length], offset + length
 
 
 def cpu_decoded() -> int:

@@ -221,7 +221,9 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
             return bytes(raw)
         try:
             if self.decode == "cuda":
-                return gpu_decode.encode(raw, max_pixels=self.max_pixels)
+                shard, local = self._locate(index)
+                where = f"sample {index} (record {local} of {self.paths[shard]})"
+                return gpu_decode.encode(raw, max_pixels=self.max_pixels, where=where)
             if self.decode == "pil":
                 return decode_pil(raw, max_pixels=self.max_pixels)
             return decode_tensor(raw, max_pixels=self.max_pixels)

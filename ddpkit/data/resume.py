@@ -23,7 +23,13 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from ddpkit.data.balanced import WeightedDistributedSampler
 from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler, set_epoch
-from ddpkit.data.streams import agreed_lengths, agreed_with_last, state_holder
+from ddpkit.data.streams import (
+    agreed_lengths,
+    agreed_with_last,
+    agreement_group,
+    exact_length,
+    state_holder,
+)
 from ddpkit.distributed import comm
 from ddpkit.position import Position
 
@@ -59,6 +65,9 @@ class EpochBatches:
         samples: samples of the epoch's order all ranks consumed so far.
         total: batches of the whole epoch on this rank (the fewest any rank
             has); None if unknown.
+        exact: whether ``total`` is what the epoch yields (a map-style
+            loader's, a sequence's), not a stream's hint; a loader whose
+            length is a hint is read one batch ahead like one without.
         step_samples: samples over all ranks that each remaining batch
             consumes; None when every batch takes ``batch_size x world_size``.
         last: the batch just yielded is the epoch's last.
@@ -87,6 +96,7 @@ class EpochBatches:
         self.step_samples, self.epoch, self.samples = step_samples, epoch, samples
         self.world_size, self.data, self.last = world_size, data, False
         self.dropped = 0
+        self.exact = True  # total is what the epoch yields, not a hint (see epoch_batches)
         self.holder: Any = None
         self._batch_size = batch_size
         self._agree = 1  # ranks that agree batch by batch where the epoch ends (1: none)
@@ -94,7 +104,7 @@ class EpochBatches:
 
     def __iter__(self) -> Iterator[Any]:
         items = iter(self.batches)
-        sized = self.total is not None and self._agree == 1
+        sized = self.total is not None and self._agree == 1 and self.exact
         if sized:
             assert self.total is not None
             taking = itertools.islice(items, max(self.total - self.done, 0))
@@ -127,7 +137,7 @@ class EpochBatches:
         """
         if self.holder is None:
             return None
-        if self.total is not None and self._agree == 1:
+        if self.total is not None and self._agree == 1 and self.exact:
             return self.holder.state_dict()
         return self._state
 
@@ -210,26 +220,30 @@ def epoch_batches(
     identity = data_identity(getattr(loader, "dataset", None)) if data is None else data
     holder = state_holder(loader)
     here = start is not None and start.epoch == epoch
-    if holder is not None and loader_state is not None and here:
+    if holder is not None and loader_state is not None and start is not None and here:
+        if not start.mid_epoch:
+            raise ValueError("loader_state is a place in the middle of an epoch; start is not")
         if isinstance(loader, DataLoader):
             set_epoch(loader, epoch)
         holder.load_state_dict(loader_state)
-        assert start is not None
         part = EpochBatches(_iter_keeping_rng(loader), start.batches, _length(loader))
     else:
         part = _rest(loader, epoch, start, world, me)
     part.epoch, part.world_size, part.data, part.holder = epoch, world, identity, holder
+    if not exact_length(loader):
+        part.exact = False
     part.samples = start.samples if start is not None and here else 0
     if isinstance(loader, DataLoader):
         part._batch_size = loader.batch_size
     # Where the epoch ends, agreed by the ranks of the process group (none alone).
     group = comm.get_world_size()
     if group > 1:
-        sized, shortest = agreed_lengths(part.total)
+        sized, shortest = agreed_lengths(part.total if part.exact else None)
         if sized:
             part.total = shortest
         else:
             part.total, part._agree = None, group
+            agreement_group()  # made here, where every rank is, not at the first batch
     return part
 
 

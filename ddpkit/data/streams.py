@@ -21,18 +21,19 @@ which then hang.)
 A stream that cannot skip to a position keeps its place in its own
 ``state_dict()`` (torchdata's ``StatefulDataLoader``, a stateful
 ``IterableDataset``): :func:`state_holder` finds the object whose state is
-this rank's place, and :func:`check_loader_states` decides whether a
+this rank's place, and :func:`loader_states_for` decides whether a
 checkpoint's saved places fit this job.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from ddpkit.distributed import comm
 
@@ -40,6 +41,8 @@ __all__ = [
     "ANY_WORLD_SIZE",
     "agreed_lengths",
     "agreed_with_last",
+    "agreement_group",
+    "exact_length",
     "is_stateful",
     "loader_states_for",
     "state_holder",
@@ -65,7 +68,8 @@ def state_holder(loader: Any) -> Any | None:
     The loader itself when it is stateful (torchdata's ``StatefulDataLoader``
     gathers its workers' dataset states). In a plain ``DataLoader`` read in
     this process (``num_workers=0``), a stateful sampler, else a stateful
-    dataset. With workers, a plain ``DataLoader`` reads its sampler ahead
+    stream (an ``IterableDataset``; a map-style dataset's sampler says where
+    the epoch stands). With workers, a plain ``DataLoader`` reads its sampler ahead
     and its dataset in copies of its own, so neither's state is the place:
     None, with a warning to use a ``StatefulDataLoader``.
     """
@@ -73,9 +77,12 @@ def state_holder(loader: Any) -> Any | None:
         return loader
     if not isinstance(loader, DataLoader):
         return None
+    # A map-style dataset's state is no place in the epoch (its sampler says where): only a
+    # stream's is.
+    dataset = loader.dataset if isinstance(loader.dataset, IterableDataset) else None
     candidates = [
         thing
-        for thing in (loader.batch_sampler, loader.sampler, loader.dataset)
+        for thing in (loader.batch_sampler, loader.sampler, dataset)
         if thing is not None and is_stateful(thing)
     ]
     if not candidates:
@@ -92,6 +99,18 @@ def state_holder(loader: Any) -> Any | None:
         stacklevel=3,
     )
     return None
+
+
+def exact_length(loader: Any) -> bool:
+    """Whether ``len(loader)`` is the number of batches an epoch yields, not a hint.
+
+    A sequence's, and a ``DataLoader``'s over a map-style dataset (its sampler
+    decides). A stream's ``__len__`` (WebDataset's ``with_length``, an
+    ``IterableDataset`` split over workers) may be off by some batches.
+    """
+    if isinstance(loader, DataLoader):
+        return not isinstance(loader.dataset, IterableDataset)
+    return isinstance(loader, Sequence)
 
 
 def agreed_lengths(total: int | None) -> tuple[bool, int | None]:
@@ -111,8 +130,37 @@ def agreed_lengths(total: int | None) -> tuple[bool, int | None]:
 
 
 def _every_rank_has(flag: bool, world: int) -> bool:
-    """Whether ``flag`` holds on every rank (one small all-reduce)."""
-    return comm.all_reduce_sum(int(flag)) == world
+    """Whether ``flag`` holds on every rank (one small all-reduce, on the CPU).
+
+    Under NCCL the all-reduce goes through a Gloo group of the same ranks, made
+    once: an NCCL one would wait for the GPU every batch.
+    """
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(flags, group=_cpu_group())
+    return int(flags.item()) == world
+
+
+_CPU_GROUPS: dict[int, Any] = {}
+
+
+def agreement_group() -> Any:
+    """The group the ranks agree in batch by batch; made now on every rank (a collective)."""
+    return _cpu_group()
+
+
+def _cpu_group() -> Any:
+    """The default group when it is Gloo's, else a Gloo group of all ranks (made once)."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _CPU_GROUPS:
+        _CPU_GROUPS[key] = dist.new_group(backend="gloo")
+    return _CPU_GROUPS[key]
 
 
 class _Ahead:
@@ -126,7 +174,8 @@ class _Ahead:
         item = next(self.items, self.end)
         state = None
         if item is not self.end and self.holder is not None:
-            state = self.holder.state_dict()  # before the next item is read
+            # Before the next item is read; a copy: a holder may hand out its live dict.
+            state = copy.deepcopy(self.holder.state_dict())
         return item, state
 
 
@@ -173,12 +222,10 @@ def loader_states_for(
         ValueError: mid-epoch on another number of ranks, with states that do
             not say they may be re-split.
     """
-    if not saved or all(s is None for s in saved):
-        return None
+    if not mid_epoch or not saved or all(s is None for s in saved):
+        return None  # an epoch's start (also one moved on to): each rank starts its stream
     if len(saved) == world:
         return saved[rank]
-    if not mid_epoch:
-        return None
     if all(isinstance(s, Mapping) and s.get(ANY_WORLD_SIZE) is True for s in saved):
         return saved[0]
     raise ValueError(

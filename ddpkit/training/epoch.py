@@ -204,7 +204,7 @@ def train_epoch(
         if config.batch_transform is not None:
             images, targets = config.batch_transform(images, targets)
         completes = (batch + 1) % accum == 0 or part.last
-        count = _group_size(batch, part.total, accum)
+        count = _group_size(batch, part.total if part.exact else None, accum)
         loss = run.backward(images, targets, completes, count)
         totals.add(loss, targets.shape[0])
         progress.finite.add(batch, loss)

@@ -260,6 +260,9 @@ class StepGuard:
         part = epoch_batches(
             loader, epoch, start, world_size=self._world, rank=self._rank, loader_state=place
         )
+        manager = self.checkpoints
+        if place is not None and manager is not None and manager.state is not None:
+            manager.state.loader_state = None  # used: a later save records its own place
         if self.watchdog is not None:
             # The rest of a resumed epoch may come from a loader of its own, with its workers.
             source = part.batches if isinstance(part.batches, DataLoader) else loader

@@ -148,3 +148,25 @@ def test_fit_trains_on_encoded_batches_and_counts_the_cpu_decodes(
         report=ddpkit.ReportConfig(progress=False),
     )
     assert history.last["cpu_decoded"] == 12  # PNG x 2, WebP, BMP in each of 3 batches
+
+
+def test_a_batchs_bytes_cross_in_one_buffer(varied_db: Path, cuda_allowed: None) -> None:
+    data = ddpkit.LazyLMDBDataset(varied_db, ddpkit.val_transform(24, 28), decode="cuda")
+    batch, _ = collate([data[i] for i in (0, 1, 2, 7)])  # four JPEGs
+    storages = {item.data.untyped_storage().data_ptr() for item in batch.items}
+    assert len(storages) == 1
+    apart = EncodedBatch([data[i][0] for i in (0, 1, 2, 7)])  # each its own tensor
+    assert torch.equal(batch.decode(torch.device("cpu")), apart.decode(torch.device("cpu")))
+
+
+def test_a_jpeg_no_decoder_reads_is_named_with_its_record(
+    tmp_path: Path, cuda_allowed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = varied_images()[0]
+    cut = whole[: len(whole) // 3]  # the header is whole, the data are not
+    db = write_db(tmp_path / "cut.lmdb", [whole, cut], [0, 1], ["a", "b"])
+    data = ddpkit.LazyLMDBDataset(db, ddpkit.val_transform(24, 28), decode="cuda")
+    batch, _ = collate([data[0], data[1]])
+    monkeypatch.setattr(gpu_decode, "_decode_jpegs", lambda items, device: [None] * len(items))
+    with pytest.raises(ValueError, match=r"sample 1 \(record 1 of .*cut.lmdb\) does not decode"):
+        batch.decode(torch.device("cpu"))

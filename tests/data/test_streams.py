@@ -9,6 +9,7 @@ import torch
 from stream_jobs import BATCH, StatefulStream, Stream, make_loader
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
+import ddpkit
 from ddpkit import Position, epoch_batches, set_epoch
 from ddpkit.data.streams import ANY_WORLD_SIZE, loader_states_for, state_holder
 
@@ -30,6 +31,39 @@ class _StatefulSampler(Sampler[int]):
         self.at = state["at"]
 
 
+class _StatefulMap(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return torch.zeros(2), index % 2
+
+    def state_dict(self) -> dict[str, int]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+class _LiveState(StatefulStream):
+    """A stream whose state_dict() hands out the same dict, changed as it goes."""
+
+    def __init__(self, n: int, salt: int) -> None:
+        super().__init__(n, salt)
+        self.live = {"next": 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        self.live["next"] = self.next
+        return self.live
+
+
+def test_a_place_taken_before_the_read_ahead_is_a_copy() -> None:
+    loader = DataLoader(_LiveState(3 * BATCH, 0), batch_size=BATCH)
+    part = epoch_batches(loader, 0)
+    places = [part.loader_state()["next"] for _ in part]
+    assert places == [4, 8, 12]
+
+
 def test_the_holder_is_the_loader_else_its_sampler_or_dataset_read_in_this_process() -> None:
     pytest.importorskip("torchdata")
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -41,6 +75,12 @@ def test_the_holder_is_the_loader_else_its_sampler_or_dataset_read_in_this_proce
     sampler = _StatefulSampler()
     assert state_holder(DataLoader(range(8), sampler=sampler)) is sampler
     assert state_holder(DataLoader(Stream(8, 0), batch_size=2)) is None
+    # A map-style dataset's state is no place in the epoch: its sampler says where.
+    assert state_holder(DataLoader(_StatefulMap(), batch_size=2)) is None
+    assert (
+        state_holder(ddpkit.build_loader(_StatefulMap(), batch_size=2, train=True, workers=0))
+        is None
+    )
     assert state_holder([torch.zeros(2)]) is None
     with pytest.warns(RuntimeWarning, match="StatefulDataLoader"):
         assert state_holder(DataLoader(stream, batch_size=2, num_workers=1)) is None
@@ -81,19 +121,33 @@ def test_a_plain_stream_is_read_up_to_its_place_without_drawing_random_numbers()
     assert [targets.tolist() for _, targets in part] == whole[3:]
 
 
-def test_a_loader_longer_than_its_length_says_is_counted_not_trained() -> None:
-    class Lying(IterableDataset[int]):
-        def __iter__(self) -> Any:
-            return iter(range(12))
+class _Hinted(IterableDataset[int]):
+    """A stream whose ``__len__`` is a hint: ``n`` samples, ``said`` claimed."""
 
-        def __len__(self) -> int:
-            return 8
+    def __init__(self, n: int, said: int) -> None:
+        self.n, self.said = n, said
 
-    part = epoch_batches(DataLoader(Lying(), batch_size=4), 0)
-    assert part.total == 2
-    assert len(list(part)) == 2
-    assert part.last
-    assert part.dropped == 1
+    def __iter__(self) -> Any:
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        return self.said
+
+
+@pytest.mark.parametrize(("n", "said"), [(12, 8), (4, 12)], ids=["longer", "shorter"])
+def test_a_streams_length_is_a_hint_read_ahead_to_its_real_end(n: int, said: int) -> None:
+    # A shorter stream must still end its epoch with a step; a longer one is trained whole.
+    part = epoch_batches(DataLoader(_Hinted(n, said), batch_size=4), 0)
+    assert part.total == said // 4
+    assert not part.exact
+    lasts = [part.last for _ in part]
+    assert lasts == [False] * (n // 4 - 1) + [True]
+    assert part.dropped == 0
+
+
+def test_a_sequences_length_is_exact_and_a_map_style_loaders_too() -> None:
+    assert epoch_batches([1, 2, 3], 0).exact
+    assert epoch_batches(DataLoader(range(8), batch_size=2), 0).exact
 
 
 def test_saved_places_go_to_their_rank_and_another_world_needs_a_resplittable_state() -> None:
@@ -101,6 +155,7 @@ def test_saved_places_go_to_their_rank_and_another_world_needs_a_resplittable_st
     assert loader_states_for(saved, 2, 1, True, "step-8.pth") == {"next": 8}
     assert loader_states_for([None, None], 2, 0, True, "x") is None
     assert loader_states_for(saved, 3, 0, False, "latest.pth") is None  # an epoch's start
+    assert loader_states_for(saved, 2, 0, False, "x") is None  # moved on to the next epoch
     with pytest.raises(ValueError, match=r"step-8.pth holds .* 2 rank\(s\) .* has 3"):
         loader_states_for(saved, 3, 0, True, "step-8.pth")
     free = [{"n": 4, ANY_WORLD_SIZE: True}, {"n": 4, ANY_WORLD_SIZE: True}]

@@ -79,11 +79,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ddpkit-gpu-check-") as tmp:
         report = Path(tmp, "tests.xml")
         try:
-            subprocess.run(
+            tests = subprocess.run(
                 [*PYTEST, f"--junitxml={report}", "--timeout=240", "-q"],
                 cwd=ROOT,
                 timeout=TESTS_S,
             )
+            if tests.returncode not in (0, 1):  # 1: a test failed, in the rows below
+                rows.append(("tests/gpu", "FAIL", f"pytest exited with status {tests.returncode}"))
         except subprocess.TimeoutExpired:
             rows.append(("tests/gpu", "FAIL", f"over {TESTS_S:.0f} s"))
         if report.is_file():
