@@ -9,6 +9,11 @@ state, so an exact resume is possible wherever the stream's place is kept.
 
 from __future__ import annotations
 
+import functools
+import os
+import select
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +66,32 @@ class StatefulStream(Stream):
         self.next = int(state["next"])
 
 
+def _end_with(trainer: int, worker_id: int) -> None:
+    """A worker forked by a forkserver (the suite's) ends when its rank does, even killed.
+
+    torch's workers watch their parent, which is then the server, not the rank: a
+    killed rank would leave them (and the server, whose pipe they hold) for ever.
+    """
+    if os.getppid() == trainer:
+        return
+
+    def watch() -> None:
+        try:  # readable once the process has ended
+            select.select([os.pidfd_open(trainer)], [], [])
+        except OSError:
+            while os.path.exists(f"/proc/{trainer}"):
+                time.sleep(0.2)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def make_loader(kind: str, n: int, salt: int, workers: int, plan: dict[str, Any]) -> Any:
     data: Any = StatefulStream(n, salt) if kind.startswith("stateful") else Stream(n, salt)
-    start = {"multiprocessing_context": worker_start(data)} if workers else {}
+    start: dict[str, Any] = {}
+    if workers:
+        start["multiprocessing_context"] = worker_start(data)
+        start["worker_init_fn"] = functools.partial(_end_with, os.getpid())
     if kind in ("plain", "stateful-dataset"):
         return DataLoader(data, batch_size=BATCH, num_workers=workers, **start)
     if kind == "stateful-loader":
@@ -116,7 +144,10 @@ def web_loader(shards: list[str], workers: int) -> Any:
         .to_tuple("img", "cls")
         .map_tuple(_features, _label)
     )
-    start = {"multiprocessing_context": worker_start(stream)} if workers else {}
+    start: dict[str, Any] = {}
+    if workers:
+        start["multiprocessing_context"] = worker_start(stream)
+        start["worker_init_fn"] = functools.partial(_end_with, os.getpid())
     return wds.WebLoader(stream, batch_size=BATCH, num_workers=workers, **start)
 
 
