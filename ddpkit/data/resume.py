@@ -104,7 +104,7 @@ class EpochBatches:
 
     def __iter__(self) -> Iterator[Any]:
         items = iter(self.batches)
-        sized = self.total is not None and self._agree == 1 and self.exact
+        sized = not self._read_ahead
         if sized:
             assert self.total is not None
             taking = itertools.islice(items, max(self.total - self.done, 0))
@@ -137,9 +137,12 @@ class EpochBatches:
         """
         if self.holder is None:
             return None
-        if self.total is not None and self._agree == 1 and self.exact:
-            return self.holder.state_dict()
-        return self._state
+        return self._state if self._read_ahead else self.holder.state_dict()
+
+    @property
+    def _read_ahead(self) -> bool:
+        """Whether the epoch is read one batch ahead (its end agreed, or its length a hint)."""
+        return self.total is None or self._agree > 1 or not self.exact
 
 
 def _with_last(batches: Iterator[Any], total: int, done: int) -> Iterator[tuple[Any, bool]]:
@@ -226,7 +229,7 @@ def epoch_batches(
         if isinstance(loader, DataLoader):
             set_epoch(loader, epoch)
         holder.load_state_dict(loader_state)
-        part = EpochBatches(_iter_keeping_rng(loader), start.batches, _length(loader))
+        part = EpochBatches(_skipped(loader, 0), start.batches, _length(loader))
     else:
         part = _rest(loader, epoch, start, world, me)
     part.epoch, part.world_size, part.data, part.holder = epoch, world, identity, holder
@@ -250,9 +253,10 @@ def epoch_batches(
 def _skipped(loader: Iterable[Any], done: int) -> Iterator[Any]:
     """An iterator of ``loader`` with its first ``done`` batches read and dropped, now.
 
-    Neither the iterator's start nor the batches read draw from torch's
-    random generator: in the run that took the checkpoint, those draws came
-    before it.
+    Neither the iterator's start nor the batches read draw from torch's CPU
+    generator: in the run that took the checkpoint, those draws (a
+    ``DataLoader``'s worker seed, a ``RandomSampler``'s seed) came before it;
+    a loader that restores its place brings back those seeds from its state.
     """
     before = torch.random.get_rng_state()
     try:
@@ -260,21 +264,6 @@ def _skipped(loader: Iterable[Any], done: int) -> Iterator[Any]:
         for _ in itertools.islice(batches, done):
             pass
         return batches
-    finally:
-        torch.random.set_rng_state(before)
-
-
-def _iter_keeping_rng(loader: Iterable[Any]) -> Iterator[Any]:
-    """``iter(loader)``, with torch's CPU generator as it was before.
-
-    A ``DataLoader``'s iterator draws its workers' base seed (and a
-    ``RandomSampler`` its seed) from the generator; a loader that restores
-    its place brings back those seeds from its state, and the run's random
-    numbers must go on where the checkpoint left them.
-    """
-    before = torch.random.get_rng_state()
-    try:
-        return iter(loader)
     finally:
         torch.random.set_rng_state(before)
 

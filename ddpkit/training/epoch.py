@@ -221,9 +221,8 @@ def train_epoch(
     run.tick("epoch_end")
     seconds = totals.seconds()
     progress.close(epoch)
-    record = totals.record(epoch, rate, seconds, dev, part.dropped)
-    if on_gpu:  # the same condition on every rank: one more sum
-        record["cpu_decoded"] = comm.all_reduce_sum(gpu_decode.cpu_decoded() - cpu_before)
+    decoded = gpu_decode.cpu_decoded() - cpu_before if on_gpu else None
+    record = totals.record(epoch, rate, seconds, dev, part.dropped, decoded)
     return record | {"peak_memory_mb": totals.peak_mb}
 
 
@@ -288,13 +287,21 @@ class _Totals:
         }
 
     def record(
-        self, epoch: int, rate: float, seconds: float, dev: torch.device, dropped: int = 0
+        self,
+        epoch: int,
+        rate: float,
+        seconds: float,
+        dev: torch.device,
+        dropped: int = 0,
+        cpu_decoded: int | None = None,
     ) -> dict[str, Any]:
         """The epoch's record, summed over the ranks. All ranks must call this, or it deadlocks.
 
         ``dropped``: batches this rank's loader held beyond the epoch's agreed end.
+        ``cpu_decoded``: (``decode="cuda"``) images this rank decoded on the CPU,
+        summed into the record's ``cpu_decoded`` in the same all-reduce.
         """
-        counts = [float(self.samples), self.waited, seconds]
+        counts = [float(self.samples), self.waited, seconds, float(cpu_decoded or 0)]
         total = comm.all_reduce_sum(
             torch.cat([self.loss_sum[None], torch.tensor(counts, device=dev, dtype=torch.float64)])
         )
@@ -303,6 +310,8 @@ class _Totals:
         ranks = _ranks_apart(self.waited, seconds, self.peak_mb, dropped)
         if ranks:
             self.peak_mb = max(ranks.pop("rank_peak_mb"))
+        if cpu_decoded is not None:  # the same on every rank: decode="cuda"
+            ranks["cpu_decoded"] = int(total[4].item())
         return ranks | {
             "epoch": epoch + 1,  # what a person reads counts from 1: the bar, lines, files
             "train_loss": float(total[0].item()) / max(global_samples, 1),
