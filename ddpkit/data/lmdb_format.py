@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import lmdb
 
@@ -201,11 +203,30 @@ def identity(path: str | os.PathLike[str], data: str | None = None) -> Identity:
 
 
 # One environment per database file per process: py-lmdb refuses to open a path
-# twice in one process, and datasets over the same file must share it. Entries
-# are (pid, identity, env): one inherited through fork(), or whose file was
-# replaced (a rebuild with --overwrite), is closed and opened again.
-_SHARED: dict[str, tuple[int, Identity, lmdb.Environment]] = {}
+# twice in one process, and datasets over the same file must share it. One inherited
+# through fork(), or whose file was replaced (a rebuild with --overwrite), is closed
+# and opened again.
+@dataclass(slots=True)
+class _Open:
+    pid: int  # the process that opened it
+    identity: Identity  # its file's, when last looked at
+    env: lmdb.Environment
+    checked: float  # time.monotonic() of that look
+
+
+_SHARED: dict[str, _Open] = {}
 _SHARED_LOCK = threading.Lock()
+# This process's id, kept up to date across fork: os.getpid() is a system call, and
+# right after a decode one costs about 1 % of it.
+_PID = os.getpid()
+
+
+def _after_fork() -> None:
+    global _PID
+    _PID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def shared_env(
@@ -215,6 +236,7 @@ def shared_env(
     key: str | None = None,
     expect: Identity | None = None,
     data: str | None = None,
+    recheck: float = 0.0,
 ) -> lmdb.Environment:
     """This process's environment for ``path``, opened on first use; safe from any thread.
 
@@ -229,27 +251,35 @@ def shared_env(
         expect: the file's :func:`identity` when the caller read its index;
             a different file now is an ``LMDBFormatError``.
         data: ``data_file(path)``, if the caller has it already.
+        recheck: trust the file's identity read less than this many seconds
+            ago instead of a ``stat`` now (0: look every call; the dataset
+            passes 0.01).
     """
     key = key or os.path.realpath(path)
-    now = identity(path, data)
+    entry = _SHARED.get(key)
+    if entry is not None and entry.pid == _PID:
+        if time.monotonic() - entry.checked < recheck and expect in (None, entry.identity):
+            return entry.env  # its file looked at a moment ago: trusted
+    else:
+        entry = None  # none yet, or inherited through fork (closed below, under the lock)
+    looked, now = time.monotonic(), identity(path, data)
     if expect is not None and now != expect:
         raise LMDBFormatError(
             f"{os.fspath(path)} was replaced (rebuilt or copied over) after this dataset read "
             "its index; create the dataset again to read the new database"
         )
-    entry = _SHARED.get(key)
-    if entry is not None and entry[0] == os.getpid() and entry[1] == now:
-        return entry[2]  # the common case, without the lock
+    if entry is not None and entry.identity == now:
+        entry.checked = looked
+        return entry.env  # the common case, without the lock
     with _SHARED_LOCK:  # threads reading first at once must not open the file twice
         entry = _SHARED.get(key)
         if entry is not None:
-            pid, known, env = entry
-            if pid == os.getpid() and known == now:
-                return env
-            env.close()  # inherited through fork, or its file was replaced
+            if entry.pid == _PID and entry.identity == now:
+                return entry.env
+            entry.env.close()  # inherited through fork, or its file was replaced
             del _SHARED[key]
         env = open_env(path, readahead=readahead)
-        _SHARED[key] = (os.getpid(), now, env)
+        _SHARED[key] = _Open(_PID, now, env, looked)
         return env
 
 

@@ -285,7 +285,7 @@ def test_many_threads_reading_first_at_once(database: Path) -> None:
     from ddpkit.data import lmdb_format
 
     for key in [k for k in lmdb_format._SHARED if "db" in k]:  # a fresh start in this process
-        lmdb_format._SHARED.pop(key)[2].close()
+        lmdb_format._SHARED.pop(key).env.close()
     dataset = LazyLMDBDataset(database, decode="bytes")
     barrier, errors = threading.Barrier(8), []
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
 from lmdb_fixtures import encode, photo, varied_images
+from PIL import Image
 
 from ddpkit.data.images import check_image, decode_pil, decode_tensor, prepare_image
 from ddpkit.testing import run_distributed
@@ -177,3 +180,41 @@ def test_unusual_jpeg_headers_are_read_by_pillow() -> None:
     assert len(verdicts) == 4
     for checked, decoded in verdicts:
         assert checked == decoded
+
+
+@pytest.mark.parametrize("layout", ["hwc", "chw"])
+@pytest.mark.parametrize("size", [(1, 1), (3, 2), (4, 4), (9, 7)])
+def test_the_corner_test_reads_any_layout_as_numpy_does(layout: str, size: tuple[int, int]) -> None:
+    # The decoded tensor's last pixels are read through its strides (no NumPy view):
+    # the verdict must be NumPy's for planar and interleaved tensors, flat or not.
+    from ddpkit.data import images
+
+    width, height = size
+    rng = np.random.default_rng(width * 10 + height)
+    for flat_corner, flat_row in [(True, True), (False, True), (False, False)]:
+        pixels = rng.integers(0, 256, (3, height, width), dtype=np.uint8)
+        if flat_row:
+            pixels[:, -1, -4:] = pixels[:, -1, -1:]  # the last row's last pixels alike
+        if flat_corner:
+            pixels[:, -4:, -4:] = np.array([7, 100, 250], dtype=np.uint8)[:, None, None]
+        image = torch.from_numpy(pixels)
+        if layout == "hwc":  # as TorchCodec gives it: channels last in memory
+            image = torch.from_numpy(pixels.transpose(1, 2, 0).copy()).permute(2, 0, 1)
+        assert images._flat_corner(image, height, width) == images._uniform_corner(pixels)
+
+
+def test_a_photo_whose_last_row_ends_flat_is_still_checked_whole() -> None:
+    # The last row ending in one colour is common (a sky, a black border): the test then
+    # looks at the whole corner, and a short file there is still an error.
+    from ddpkit.data import images
+
+    pixels = np.array(photo(5, (64, 48)))
+    pixels[-8:, -16:] = 30  # a flat corner: libjpeg's padding looks like this
+    jpeg = encode(Image.fromarray(pixels), quality=95, subsampling=0)
+    whole = decode_tensor(jpeg)
+    assert images._uniform_corner(whole.numpy())  # a whole file with a flat corner: decoded
+    assert torch.equal(
+        whole, torch.from_numpy(np.array(Image.open(io.BytesIO(jpeg)))).permute(2, 0, 1)
+    )
+    with pytest.raises((ValueError, OSError), match="truncated"):
+        decode_tensor(jpeg[: len(jpeg) * 2 // 3])

@@ -131,3 +131,33 @@ def test_env_for_reading_closes_a_short_lived_environment(tmp_path: Path) -> Non
     with pytest.raises(lmdb.Error):
         env.stat()  # closed on leaving
     assert len(read_index(db)) == 3  # and the path can be opened again
+
+
+def test_a_recent_look_is_trusted_and_a_replacement_seen_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A dataset looks at its file (a stat) at most every 10 ms: reads in a burst share
+    # one look, and a file replaced is refused at the first read after the window.
+    import time
+
+    from ddpkit import LazyLMDBDataset
+    from ddpkit.data import lmdb_format
+
+    db = _db(tmp_path / "watched", n=4)
+    dataset = LazyLMDBDataset(db, decode="bytes")
+    looks = []
+    real = lmdb_format.identity
+    monkeypatch.setattr(lmdb_format, "identity", lambda *a: looks.append(1) or real(*a))
+    start = time.monotonic()
+    for _ in range(200):
+        dataset[1]
+    elapsed = time.monotonic() - start
+    assert len(looks) <= elapsed / 0.01 + 2  # not one per read
+    before = identity(db)
+    assert shared_env(db, recheck=60.0, expect=before) is shared_env(db)
+    os.replace(data_file(_db(tmp_path / "new", n=7)), data_file(db))
+    time.sleep(0.02)
+    with pytest.raises(LMDBFormatError, match="was replaced"):
+        dataset[1]
+    with pytest.raises(LMDBFormatError, match="was replaced"):  # recheck=0: every call looks
+        shared_env(db, expect=before)
