@@ -33,7 +33,12 @@ def launch(
     ) as proc:
         try:
             if when is not None:
-                when(proc)
+                try:
+                    when(proc)
+                except AssertionError as exc:  # what the run had printed by then, too
+                    kill_tree(proc.pid)
+                    out, _ = proc.communicate(timeout=30)
+                    raise AssertionError(f"{exc}; the run's output:\n{shown(out)}") from None
             out, _ = proc.communicate(timeout=LIMIT_S)
         finally:
             if proc.poll() is None:
