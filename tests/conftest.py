@@ -29,7 +29,7 @@ if HELPERS not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 
 
 # Tests that start several processes of their own (ranks, launchers, the example, DataLoader
-# workers). `make test` runs the whole suite on two workers (`-n 2 --dist loadgroup`): the tests
+# workers). `make test` runs the whole suite on three workers (`-n 3 --dist loadgroup`): the tests
 # of one such file go to one worker as one group (pytest_xdist_make_scheduler below), so a
 # module's shared job runs once and the blocks of one markdown page share its one child; every
 # other test goes wherever a worker is free. Their deadlines allow for a busy machine. A file name
@@ -80,7 +80,7 @@ _SERIAL = (
 )
 
 # The longest groups, longest first (their seconds on the 2-core machine, docs/testing.md):
-# they start first, and the short tests fill in after them, so the two workers end
+# they start first, and the short tests fill in after them, so the workers end
 # together instead of one finishing a long group alone. Then the other groups, then
 # every single test, each in the order collected.
 _LONGEST_FIRST = (

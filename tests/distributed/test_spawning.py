@@ -215,4 +215,6 @@ def test_a_plain_dataloader_in_a_spawned_rank_starts_its_workers_as_under_torchr
     alone = json.loads((tmp_path / "fresh.json").read_text())
     assert spawned["method"] == alone["method"]
     ratio = spawned["seconds"] / alone["seconds"]
-    assert ratio < 3.0, (spawned, alone)  # 'spawn' workers: about 10x on a 2-core machine
+    # 'spawn' workers: about 10x on a 2-core machine; under a loaded suite, fork measured
+    # up to 3.2x (a few tenths of a second each).
+    assert ratio < 5.0, (spawned, alone)

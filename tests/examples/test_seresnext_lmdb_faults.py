@@ -36,12 +36,12 @@ from ddpkit import PREEMPTED_EXIT_CODE, load_checkpoint
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "seresnext_lmdb.py"
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS")
-# 96 images, a global batch of 12 on 2 ranks: 8 steps an epoch, 24 in all; step
-# checkpoints every 2 steps (8, 16 and 24 end an epoch). A signal sent once a step's
+# 96 images, a global batch of 12 on 2 ranks: 8 steps an epoch, 16 in all; step
+# checkpoints every 2 steps (8 and 16 end an epoch). A signal sent once a step's
 # checkpoint appears (written in the background, so the ranks may be a step or two
 # further) still lands well inside the epoch: never while a validation's data
 # workers start, which a launcher's signal to the whole process group would kill.
-EPOCHS, STEPS_PER_EPOCH = 3, 8
+EPOCHS, STEPS_PER_EPOCH = 2, 8
 
 
 def _env() -> dict[str, str]:
