@@ -335,10 +335,11 @@ def _fast_decoded(decode: Decoder, data: Buffer, width: int, height: int) -> tor
 
 
 def _flat_corner(image: torch.Tensor, height: int, width: int) -> bool:
-    """:func:`_uniform_corner` of a decoded uint8 ``3 x height x width`` tensor."""
-    if width >= 4:  # the last row's last 4 pixels first: they differ in 24 photos of 25
-        # Read through ctypes where the tensor's own strides put them: right after a
-        # decode a NumPy view of the tensor costs 3 % of the decode, this a tenth of that.
+    """:func:`_uniform_corner` of a decoded ``3 x height x width`` tensor."""
+    if width >= 4 and image.dtype == torch.uint8:
+        # The last row's last 4 pixels first (they differ in 24 photos of 25), read
+        # through ctypes where the tensor's own strides put them: right after a decode
+        # a NumPy view of the tensor costs 3 % of the decode, this a tenth of that.
         channel, row, step = image.stride()
         first = image.data_ptr() + (height - 1) * row + (width - 4) * step
         for c in range(3):

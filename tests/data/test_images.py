@@ -201,6 +201,8 @@ def test_the_corner_test_reads_any_layout_as_numpy_does(layout: str, size: tuple
         if layout == "hwc":  # as TorchCodec gives it: channels last in memory
             image = torch.from_numpy(pixels.transpose(1, 2, 0).copy()).permute(2, 0, 1)
         assert images._flat_corner(image, height, width) == images._uniform_corner(pixels)
+        wide = image.to(torch.int16)  # not uint8: read through NumPy, the same verdict
+        assert images._flat_corner(wide, height, width) == images._uniform_corner(pixels)
 
 
 def test_a_photo_whose_last_row_ends_flat_is_still_checked_whole() -> None:
