@@ -294,35 +294,27 @@ def decode_tensor(raw: Buffer, *, max_pixels: int | None = None) -> torch.Tensor
 
 
 def _fast_jpeg(decode: Decoder, raw: Buffer, max_pixels: int | None) -> torch.Tensor | None:
-    """The JPEG ``raw`` decoded by ``decode``, checked; None where Pillow should decode it.
-
-    Every call into torch here is one that dispatches nothing (``shape``,
-    ``stride()``, ``data_ptr()``): right after a decode, each one that does
-    costs about 1 % of the decode.
-    """
+    """The JPEG ``raw`` decoded by ``decode``, checked; None where Pillow should decode it."""
     size, app1 = _jpeg_header(raw)
     if size is None:  # a header out of the ordinary: Pillow reads it
         with _open(raw) as header:
             size = header.size
     width, height = size
     _check_pixels(width, height, max_pixels)
-    if app1:
-        data = _without_orientation(raw, app1)
-    else:
-        data = raw if isinstance(raw, bytearray) else bytearray(raw)  # frombuffer: writable
-    try:
-        image = decode(torch.frombuffer(data, dtype=torch.uint8))
-    except RuntimeError:
-        return None  # Pillow says what is wrong, or reads what the fast decoder cannot
-    if image.shape != (3, height, width):  # the decoder read another size than the header's
-        return None
-    if _flat_corner(image, height, width):
+    data = _without_orientation(raw, app1) if app1 else raw
+    image = _fast_decoded(decode, data, width, height)
+    if image is not None and _flat_corner(image, height, width):
         check_jpeg_data(raw)
     return image
 
 
 def _fast_decoded(decode: Decoder, data: Buffer, width: int, height: int) -> torch.Tensor | None:
-    """``data`` decoded by a fast decoder if it gives the header's size; else None."""
+    """``data`` decoded by a fast decoder if it gives the header's size; else None.
+
+    Every call into torch here and in :func:`_flat_corner` is one that
+    dispatches nothing (``ndim``, ``shape``, ``stride()``, ``data_ptr()``):
+    right after a decode, each one that does costs about 1 % of the decode.
+    """
     if not isinstance(data, bytearray):
         data = bytearray(data)  # frombuffer needs a writable buffer
     try:

@@ -41,7 +41,7 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASK
 # checkpoint appears (written in the background, so the ranks may be a step or two
 # further) still lands well inside the epoch: never while a validation's data
 # workers start, which a launcher's signal to the whole process group would kill.
-EPOCHS, STEPS_PER_EPOCH = 2, 8
+EPOCHS = 2
 
 
 def _env() -> dict[str, str]:
