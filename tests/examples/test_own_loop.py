@@ -107,7 +107,9 @@ def test_sigterm_saves_and_exits_75_and_a_changed_data_set_is_refused(
     checkpoints = tmp_path / "stopped"
 
     def term(proc: WarmProcess) -> None:
-        when_step_saved(checkpoints, 3)  # in epoch 1
+        # In epoch 1 (steps 1-6): the ranks may be a few steps past the saved one when the
+        # signal lands (3 past it on a loaded machine), so the first step's file sends it.
+        when_step_saved(checkpoints, 1)
         proc.send_signal(signal.SIGTERM)
 
     code, out = launch(_command(data, checkpoints), _env(), ROOT, term)
@@ -115,7 +117,7 @@ def test_sigterm_saves_and_exits_75_and_a_changed_data_set_is_refused(
     assert (checkpoints / "interrupted.pth").exists()
     stopped = load_checkpoint(checkpoints / "interrupted.pth")["position"]
     assert stopped["epoch"] == 0
-    assert 3 <= stopped["step"] < 6
+    assert 1 <= stopped["step"] < 6  # mid-epoch
     # Other data (more images): the rest of the epoch would be another order. Refused.
     other = _shapes(tmp_path / "other", 20)
     code, out = launch(_command(other, checkpoints, "--resume"), _env(), ROOT)
