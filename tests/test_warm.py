@@ -125,6 +125,7 @@ def _shell(
     path = [str(_HELPERS / "bin")] if shim else []
     path += [str(Path(sys.executable).parent), os.environ["PATH"]]
     env = dict(os.environ, FOO="bar", PATH=os.pathsep.join(path), DDPKIT_TEST_PYTHON=sys.executable)
+    env.pop("PYTHONUNBUFFERED", None)  # python's own buffering, which -u changes
     env["PYTHONPATH"] = f"{_HELPERS}{os.pathsep}{cwd}"
     return subprocess.run(["bash", "-c", command], env=env, cwd=cwd, input=stdin,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -152,6 +153,44 @@ def test_the_python_of_the_docs_shell_blocks_is_warm_and_behaves_as_python(
     check = "python -c 'import sys; print(\"timm\" in sys.modules)'"
     assert _shell(check, tmp_path, shim=True).stdout == "True\n"  # forked from the server
     assert _shell(check, tmp_path, shim=False).stdout == "False\n"
+
+
+@pytest.mark.timeout(120)
+def test_the_shell_python_takes_torchruns_u_and_buffers_as_python(tmp_path: Path) -> None:
+    # torchrun starts each worker as `$PYTHON_EXEC -u SCRIPT ...`: warm, and unbuffered.
+    from warm import start_server  # type: ignore[import-not-found]
+
+    start_server()
+    code = "import sys; print('timm' in sys.modules); sys.stderr.write('err\\n'); print('out')"
+    for flag, lines in (("-u", ["{}", "err", "out"]), ("", ["err", "{}", "out"])):
+        command = f'python {flag} -c "{code}" 2>&1'
+        warm = _shell(command, tmp_path, shim=True)
+        fresh = _shell(command, tmp_path, shim=False)
+        assert warm.stdout.splitlines() == [x.format(True) for x in lines], command
+        assert fresh.stdout.splitlines() == [x.format(False) for x in lines], command
+
+
+_RANK_SCRIPT = """\
+import os, sys
+print(os.environ["RANK"], os.environ["WORLD_SIZE"], "timm" in sys.modules, sys.argv[1:], flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_workers_start_warm_with_torchruns_environment(tmp_path: Path) -> None:
+    from warm import torchrun_warm_env  # type: ignore[import-not-found]
+
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT, encoding="utf-8")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+               str(script), "--flag", "x"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = warm_run(command, env=torchrun_warm_env(env), cwd=tmp_path, capture_output=True,
+                    text=True, timeout=150)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line[:1] in "01")
+    assert lines == ["0 2 True ['--flag', 'x']", "1 2 True ['--flag', 'x']"], done.stdout
 
 
 def _ended(pid: int, within: float) -> bool:

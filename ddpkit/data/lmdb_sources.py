@@ -66,6 +66,12 @@ def detect_format(source: str) -> str:
     )
 
 
+# torchvision.datasets.folder's IMG_EXTENSIONS and find_classes, written out: importing
+# torchvision takes seconds (its models import torch._dynamo) that the builder's start
+# would spend on a tuple and a sorted listing; a test holds them equal to torchvision's.
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
 def imagefolder_source(source: str) -> Source:
     """torchvision's ImageFolder discovery and order, without following a link twice.
 
@@ -75,9 +81,12 @@ def imagefolder_source(source: str) -> Source:
     (a symlink loop, or two links to one directory) would repeat its images,
     or never end: it is left out and reported in ``problems``.
     """
-    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
-
-    names, _ = find_classes(source)
+    names = sorted(entry.name for entry in os.scandir(source) if entry.is_dir())
+    if not names:
+        raise FileNotFoundError(
+            f"{source}: no class directory; an ImageFolder tree holds one subdirectory "
+            "of images per class"
+        )
     seen = {os.path.realpath(source): source}  # a link back to the root is a loop too
     problems: list[tuple[str, str]] = []
     walks, total = [], 0

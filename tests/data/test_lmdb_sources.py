@@ -50,6 +50,24 @@ def test_an_imagefolder_is_read_in_torchvisions_order_lazily(tmp_path: Path) -> 
     assert samples[1] == Sample("dog/a.png", 1, str(root / "dog" / "a.png"), None)
 
 
+def test_classes_and_extensions_are_torchvisions(tmp_path: Path) -> None:
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
+
+    from ddpkit.data import lmdb_sources
+
+    assert lmdb_sources.IMG_EXTENSIONS == IMG_EXTENSIONS
+    root = tmp_path / "tree"
+    for name in ("b/1.jpg", "a/2.jpg", ".hidden/3.jpg", "B/4.jpg", "ä/5.jpg", "10/6.jpg"):
+        _touch(root / name)
+    _touch(root / "top.jpg")  # a file at the top is no class
+    (root / "link").symlink_to(root / "a")
+    assert imagefolder_source(str(root)).classes == tuple(find_classes(str(root))[0])
+    empty = tmp_path / "empty"
+    _touch(empty / "top.jpg")
+    with pytest.raises(FileNotFoundError, match="no class directory"):
+        imagefolder_source(str(empty))
+
+
 def test_a_class_without_images_is_refused(tmp_path: Path) -> None:
     _touch(tmp_path / "tree" / "cat" / "1.jpg")
     _touch(tmp_path / "tree" / "dog" / "readme.txt")

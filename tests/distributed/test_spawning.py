@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_jobs import fail_on_rank_one, loader_in_a_rank, write_description, write_environment
+from warm import warm_popen  # type: ignore[import-not-found]
 
 import ddpkit
 
@@ -76,13 +77,18 @@ def test_spawn_argument_errors() -> None:
             ddpkit.spawn(write_description)
 
 
-@pytest.mark.timeout(180)
 def _two_nodes(
     wrappers: list[list[str]], url: str, outdir: Path, env: dict[str, str]
 ) -> list[dict[str, object]]:
-    """Start node 0 and node 1 (2 processes each) under their command wrappers."""
+    """Start node 0 and node 1 (2 processes each) under their command wrappers.
+
+    Without wrappers a node's script starts from the suite's server (``warm_popen``);
+    the ranks its ``spawn`` starts are fresh interpreters either way.
+    """
     nodes = [
-        subprocess.Popen(
+        warm_popen([sys.executable, JOBS, "node", str(node), "2", "2", url, str(outdir)], env=env)
+        if not wrapper
+        else subprocess.Popen(
             [*wrapper, sys.executable, JOBS, "node", str(node), "2", "2", url, str(outdir)],
             env=env,
         )
@@ -97,6 +103,7 @@ def _two_nodes(
     return _read_ranks(outdir, 4)
 
 
+@pytest.mark.timeout(180)
 def test_two_nodes_on_loopback(tmp_path: Path) -> None:
     url = f"tcp://127.0.0.1:{_free_port()}"
     out = _two_nodes([[], []], url, tmp_path, _child_env())

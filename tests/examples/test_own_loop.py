@@ -1,9 +1,13 @@
 """The hand-written loop keeps every guarantee: a SIGKILL resumes bit-exact, SIGTERM saves, 75.
 
-Each run is the real ``examples/own_loop.py`` on 2 CPU processes through
-``--nproc-per-node 2`` (``ddpkit.spawn``), with timm's tiny ``test_resnet`` on
-a small shapes LMDB and a step checkpoint after every step. 48 training
-images, a global batch of 8: 6 steps an epoch, 12 in all.
+Each run is the real ``examples/own_loop.py`` on 2 CPU processes, with timm's
+tiny ``test_resnet`` on a small shapes LMDB and a step checkpoint after every
+step. 48 training images, a global batch of 8: 6 steps an epoch, 12 in all.
+The runs that get the faults start their ranks with ``--nproc-per-node 2``
+(``ddpkit.spawn``, fresh interpreters as in a user's job); the reference and
+the resumed runs under torchrun, whose workers start from the suite's server
+(``warm.torchrun_warm_env``): where a run resumes from is not about how its
+ranks started.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from launched import LIMIT_S, kill_tree, launch, shown, when_step_saved  # type: ignore[import-not-found]
-from warm import WarmProcess  # type: ignore[import-not-found]
+from warm import WarmProcess, torchrun_warm_env  # type: ignore[import-not-found]
 
 import ddpkit
 from ddpkit import PREEMPTED_EXIT_CODE, load_checkpoint
@@ -47,15 +51,27 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _shapes(tmp_path_factory.mktemp("shapes"), 16)
 
 
+def _flags(data: Path, checkpoints: Path, *extra: str) -> list[str]:
+    return [str(SCRIPT), "--data", str(data), "--arch", "test_resnet", "--image-size", "32",
+            "-b", "8", "--epochs", "2", "--lr", "0.05", "--milestones", "1",
+            "--checkpoints", str(checkpoints), "--save-every-steps", "1", *extra]  # fmt: skip
+
+
 def _command(data: Path, checkpoints: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(SCRIPT), "--data", str(data), "--arch", "test_resnet",
-            "--image-size", "32", "-b", "8", "--epochs", "2", "--lr", "0.05",
-            "--milestones", "1", "--checkpoints", str(checkpoints), "--save-every-steps", "1",
-            "--nproc-per-node", "2", *extra]  # fmt: skip
+    """The script on 2 ranks of ``ddpkit.spawn``."""
+    return [sys.executable, *_flags(data, checkpoints, "--nproc-per-node", "2", *extra)]
 
 
-def _run(command: list[str]) -> str:
-    code, out = launch(command, _env(), ROOT)
+def _torchrun(data: Path, checkpoints: Path, *extra: str) -> tuple[int, str]:
+    """The script on 2 workers of torchrun, started warm: its status and output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+               *_flags(data, checkpoints, *extra)]  # fmt: skip
+    return launch(command, torchrun_warm_env(_env()), ROOT)
+
+
+def _run(data: Path, checkpoints: Path, *extra: str) -> str:
+    code, out = _torchrun(data, checkpoints, *extra)
     assert code == 0, shown(out)
     return out
 
@@ -67,7 +83,7 @@ def _weights(checkpoints: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     checkpoints = tmp_path_factory.mktemp("reference")
-    out = _run(_command(data, checkpoints))
+    out = _run(data, checkpoints)
     assert "epoch 2/2: step 12, val acc1" in out, shown(out)
     return _weights(checkpoints)
 
@@ -91,7 +107,7 @@ def test_a_sigkill_mid_epoch_resumes_bit_exact(
     code, out = launch(_command(data, checkpoints), _env(), ROOT, kill)
     assert code == -signal.SIGKILL, shown(out)
     assert "epoch 2/2" not in out
-    out = _run(_command(data, checkpoints, "--resume"))
+    out = _run(data, checkpoints, "--resume")
     resumed = re.search(r"resuming from step-0*(\d+)\.pth \(step: in epoch 2", out)
     assert resumed is not None, shown(out)  # mid-epoch, not from the epoch's start
     assert 8 <= int(resumed.group(1)) < 12
@@ -120,10 +136,10 @@ def test_sigterm_saves_and_exits_75_and_a_changed_data_set_is_refused(
     assert 1 <= stopped["step"] < 6  # mid-epoch
     # Other data (more images): the rest of the epoch would be another order. Refused.
     other = _shapes(tmp_path / "other", 20)
-    code, out = launch(_command(other, checkpoints, "--resume"), _env(), ROOT)
+    code, out = _torchrun(other, checkpoints, "--resume")
     assert code != 0
     assert re.search(r"the training set had 48 samples then and has 60 now", out), shown(out)
     assert "Resume with the data it was saved with" in out
     # The data it was saved with: it goes on, to the uninterrupted run's weights.
-    out = _run(_command(data, checkpoints, "--resume"))
+    out = _run(data, checkpoints, "--resume")
     _assert_equal(_weights(checkpoints), reference)

@@ -2,14 +2,15 @@
 
 Each run is the real ``examples/seresnext_lmdb.py`` on 2 CPU processes (Gloo)
 with timm's tiny ``test_resnet`` on a small shapes LMDB, step checkpoints
-every 2 steps. The runs that get the faults have data workers from a
-forkserver (``--worker-start``); the run that nothing interrupts, and the runs
-that resume an interrupted one to its end, read without workers (``-j 0``): a
-sample's augmentation depends on (seed, epoch, index) alone, so they see the
-same batches, and the weights every interrupted and resumed run ends with must
+every 2 steps. torchrun's runs that get a kill or SIGTERM have data workers
+from a forkserver (``--worker-start``); the other runs read without workers
+(``-j 0``): a sample's augmentation depends on (seed, epoch, index) alone, so
+they see the same batches, and the weights every interrupted and resumed run ends with must
 be the uninterrupted run's, ``torch.equal``. The launchers start from the
-suite's preloaded server (``tests/helpers/warm.py``); their ranks start as
-they always do.
+suite's preloaded server (``tests/helpers/warm.py``). The ranks ``spawn``
+starts are fresh interpreters, as in a user's job; torchrun's workers start
+from the server too (``torchrun_warm_env``), so the runs that need no
+``spawn`` (the reference, the resumed runs, torchrun's faults) use torchrun.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from launched import launch
 from launched import shown as _shown
 from launched import when_step_saved as _when_step_saved
 from launched import workers as _workers
-from warm import WarmProcess  # type: ignore[import-not-found]
+from warm import WarmProcess, torchrun_warm_env  # type: ignore[import-not-found]
 
 from ddpkit import PREEMPTED_EXIT_CODE, load_checkpoint
 
@@ -71,20 +72,26 @@ def _args(data: Path, checkpoints: Path, *extra: str, workers: int = 2) -> list[
             *extra]  # fmt: skip
 
 
-def _torchrun(*extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+def _torchrun(*extra: str, nprocs: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *extra]  # fmt: skip
 
 
-def _spawn(data: Path, checkpoints: Path, nprocs: int, *extra: str, workers: int = 2) -> list[str]:
+def _resume(data: Path, checkpoints: Path, nprocs: int) -> list[str]:
+    """A run under torchrun on ``nprocs`` that resumes ``checkpoints`` to the end."""
+    return [*_torchrun(nprocs=nprocs), *_args(data, checkpoints, "--resume", workers=0)]
+
+
+def _spawn(data: Path, checkpoints: Path, *extra: str) -> list[str]:
     return [sys.executable, *_args(data, checkpoints, "--multiprocessing-distributed",
-                                   "--nprocs", str(nprocs), *extra, workers=workers)]  # fmt: skip
+                                   "--nprocs", "2", *extra, workers=0)]  # fmt: skip
 
 
 def _launch(
     command: list[str], when: Callable[[WarmProcess], None] | None = None
 ) -> tuple[int, str]:
-    return launch(command, _env(), ROOT, when)
+    torchrun = command[1:3] == ["-m", "torch.distributed.run"]
+    return launch(command, torchrun_warm_env(_env()) if torchrun else _env(), ROOT, when)
 
 
 def _run(command: list[str], when: Callable[[WarmProcess], None] | None = None) -> str:
@@ -119,7 +126,7 @@ def _final(checkpoints: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     checkpoints = tmp_path_factory.mktemp("reference")
-    out = _run(_spawn(data, checkpoints, 2, workers=0))
+    out = _run([*_torchrun(), *_args(data, checkpoints, workers=0)])
     assert f"epoch {EPOCHS}/{EPOCHS}: train_loss" in out, _shown(out)
     return _final(checkpoints)
 
@@ -142,7 +149,7 @@ def _kill_then_terminate(checkpoints: Path) -> Callable[[WarmProcess], None]:
 
 # The spawn launcher gets both faults in one job: a worker killed after step 2 (the
 # launcher restarts them all, which resume from that step), then SIGTERM to the launcher
-# after step 10 (the workers save and stop). A spawn run resumes it to the end, and its weights
+# after step 10 (the workers save and stop). A run resumes it to the end, and its weights
 # must be the reference's: they are only if both resumes were exact. The tests of a
 # launcher share its job and the resumed run, and each asserts on its part of them.
 # torchrun gets each fault in a job of its own (SIGTERM to torchrun after a restart
@@ -156,17 +163,17 @@ def _faulty_job(command: list[str], checkpoints: Path) -> Job:
 
 
 def _resumed(job: Job, data: Path, tmp_path_factory: pytest.TempPathFactory, nprocs: int) -> Job:
-    """A spawn run on ``nprocs`` that resumes a copy of ``job``'s checkpoints to the end."""
+    """A run on ``nprocs`` that resumes a copy of ``job``'s checkpoints to the end."""
     copy = tmp_path_factory.mktemp("resumed") / "checkpoints"
     shutil.copytree(job[2], copy)
-    code, out = _launch(_spawn(data, copy, nprocs, "--resume", workers=0))
+    code, out = _launch(_resume(data, copy, nprocs))
     return code, out, copy
 
 
 @pytest.fixture(scope="module")
 def spawn_job(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Job:
     checkpoints = tmp_path_factory.mktemp("spawn")
-    return _faulty_job(_spawn(data, checkpoints, 2, "--max-restarts", "2"), checkpoints)
+    return _faulty_job(_spawn(data, checkpoints, "--max-restarts", "2"), checkpoints)
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +251,7 @@ def test_sigterm_to_torchrun_reaches_the_workers_which_save_and_resume_bit_exact
     assert code != 0, _shown(out)  # torchrun's own status after a signal; never a restart
     assert "stopped by SIGTERM after step" in out, _shown(out)
     _assert_stop_checkpoint(out)
-    out = _run(_spawn(data, tmp_path, 2, "--resume", workers=0))
+    out = _run(_resume(data, tmp_path, 2))
     assert "resuming at epoch" in out, _shown(out)
     _assert_equal(_final(tmp_path), reference)
 

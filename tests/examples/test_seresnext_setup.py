@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from warm import warm_run  # type: ignore[import-not-found]
+from warm import torchrun_warm_env, warm_run  # type: ignore[import-not-found]
 
 import ddpkit
 
@@ -188,7 +188,9 @@ def test_a_batch_that_does_not_divide_under_torchrun_fails_fast(tmp_path: Path) 
         "gloo",
     ]
     began = time.monotonic()
-    done = warm_run(command, env=_env(), capture_output=True, text=True, timeout=100)
+    # torchrun's workers start from the suite's server (warm.torchrun_warm_env).
+    env = torchrun_warm_env(_env())
+    done = warm_run(command, env=env, capture_output=True, text=True, timeout=100)
     out = done.stdout + done.stderr
     assert done.returncode != 0
     assert out.count("-b 15 is not divisible by 2 processes") == 1, out[-3000:]

@@ -36,6 +36,7 @@ sys.path.insert(0, str(HERE))
 import doc_context  # noqa: E402
 from doc_blocks import ROOT, Block, parse  # noqa: E402
 from doc_cases import ARRANGE, NOT_RAISED, substitute  # noqa: E402
+from warm import share_server  # noqa: E402
 
 SHELL_TIMEOUT = 240.0
 
@@ -217,11 +218,13 @@ class Runner:
 
     def run_shell(self, block: Block, code: str) -> None:
         env = dict(self.env)
-        # `python` runs forked from the suite's server (bin/python, warm.python_shim);
+        # `python` runs forked from the suite's server (bin/python, warm.python_shim), and so
+        # do torchrun's workers (`$PYTHON_EXEC -u SCRIPT`, see warm.torchrun_warm_env);
         # `ddpkit`, `torchrun` and the rest are the environment's own, started fresh.
         env["PATH"] = os.pathsep.join(
             [str(HERE / "bin"), str(Path(sys.executable).parent), env.get("PATH", "")]
         )
+        env["PYTHON_EXEC"] = str(HERE / "bin" / "python")
         env["DDPKIT_TEST_PYTHON"] = sys.executable
         env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]).rstrip(
             os.pathsep
@@ -305,6 +308,9 @@ def _initialized() -> bool:
 
 def main() -> None:
     doc, template, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    # A page's run_distributed(start_method="forkserver") and forkserver loaders start
+    # from the suite's server (as its tests' ranks do), not from a fresh one per page.
+    share_server()
     Runner(doc, template, out).run()
 
 

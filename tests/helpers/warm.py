@@ -85,6 +85,33 @@ def share_server() -> bool:
     return True
 
 
+SHIM = Path(__file__).resolve().parent / "bin" / "python"
+
+
+def torchrun_warm_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a torchrun whose workers start from the server, not as fresh interpreters.
+
+    torchrun starts each worker as ``$PYTHON_EXEC -u SCRIPT ...`` (``sys.executable``
+    when ``PYTHON_EXEC`` is unset, a documented torchrun variable). Set to the shell
+    blocks' ``python`` (:func:`python_shim`), a worker is a light process that forks
+    the script from the server and passes torchrun's signals on, ends with the
+    script's status and takes the script with it when killed: torchrun itself, its
+    rendezvous, restarts, signals and the workers' environment are as always, and a
+    worker starts in a fraction of a second instead of importing torch and timm.
+    For tests whose subject is not how a worker starts.
+    """
+    start_server()
+    warm = dict(env)
+    helpers = str(SHIM.parent.parent)
+    warm["PYTHONPATH"] = os.pathsep.join(p for p in (helpers, env.get("PYTHONPATH")) if p)
+    warm.update(
+        PYTHON_EXEC=str(SHIM),
+        DDPKIT_TEST_PYTHON=sys.executable,
+        **{name: os.environ[name] for name in (SERVER_VARIABLE, ADDRESS_VARIABLE)},
+    )
+    return warm
+
+
 class _Fd:
     """A descriptor of the caller's, handed to the child while it starts (``DupFd``)."""
 
@@ -121,6 +148,8 @@ def _main(
     sigint_ignored: bool,
     new_session: bool,
     starter: int | None = None,
+    unbuffered: bool = False,
+    share: bool = False,
 ) -> None:
     # fds: standard output and error, or input, output and error
     for target, fd in zip((0, 1, 2)[-len(fds) :], fds, strict=True):
@@ -139,7 +168,9 @@ def _main(
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    if share:
+        share_server()
+    unbuffered = unbuffered or bool(env.get("PYTHONUNBUFFERED"))
     sys.stdout = io.TextIOWrapper(
         open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),  # noqa: SIM115
         line_buffering=os.isatty(1),
@@ -285,6 +316,8 @@ def warm_popen(
     start_new_session: bool = False,
     stdin: int | None = None,
     end_with_caller: bool = False,
+    unbuffered: bool = False,
+    share: bool = False,
 ) -> WarmProcess:
     """``subprocess.Popen`` for ``[sys.executable, SCRIPT | -m MODULE | -c CODE, ...]``.
 
@@ -292,6 +325,9 @@ def warm_popen(
     none, as a multiprocessing child has). ``end_with_caller``: the process ends
     when this one does, even by SIGKILL (a fresh child of a killed shell's
     command would end with its process group; this one is the server's child).
+    ``unbuffered``: standard output and error unbuffered, as ``python -u``.
+    ``share``: the process starts its forkserver DataLoader workers from the server
+    (:func:`share_server`), as a rank of ``run_distributed`` does.
     """
     argv = [os.fspath(a) for a in args]
     flag = len(argv) > 1 and argv[1].startswith("-")
@@ -312,7 +348,17 @@ def warm_popen(
     starter = os.getpid() if end_with_caller else None
     process = ctx.Process(
         target=_main,
-        args=(argv, environ, where, fds, sigint_ignored, start_new_session, starter),
+        args=(
+            argv,
+            environ,
+            where,
+            fds,
+            sigint_ignored,
+            start_new_session,
+            starter,
+            unbuffered,
+            share,
+        ),
         name="ddpkit-test-warm",
     )
     try:
@@ -361,18 +407,24 @@ def python_shim(args: Sequence[str]) -> int:
     ddpkit.examples.seresnext_lmdb ...``; each would spend seconds importing
     torch and timm. ``python SCRIPT``, ``-m MODULE`` and ``-c CODE`` run
     forked from the server (:func:`warm_popen`) with this process's standard
-    streams, directory and environment; anything else (``-u``, ``--version``, a
+    streams, directory and environment; anything else (``-O``, ``--version``, a
     script that is not there, standard input closed), or no server (or one that
-    has ended), runs the real interpreter. This process passes the signals
+    has ended), runs the real interpreter; ``-u`` before them is python's (unbuffered
+    output), which is how torchrun starts its workers. The script starts its forkserver
+    DataLoader workers from the server too (:func:`share_server`). This process passes the signals
     it gets on, ends with the script's status (a signal's death as that
     signal) and takes the script with it if it is killed.
     """
     global _CLIENT
     address = os.environ.get(ADDRESS_VARIABLE)
-    if args and args[0] in ("-m", "-c"):
-        runnable = len(args) >= 2
+    # `-u` first: how torchrun starts each worker (`$PYTHON_EXEC -u SCRIPT ...`, see
+    # torchrun_warm_env). The script's standard output and error are then unbuffered.
+    unbuffered = bool(args) and args[0] == "-u"
+    rest = args[1:] if unbuffered else args
+    if rest and rest[0] in ("-m", "-c"):
+        runnable = len(rest) >= 2
     else:  # a script that is there; python's own words for one that is not
-        runnable = bool(args) and not args[0].startswith("-") and os.path.isfile(args[0])
+        runnable = bool(rest) and not rest[0].startswith("-") and os.path.isfile(rest[0])
     try:
         os.fstat(0)
     except OSError:  # standard input closed: python's sys.stdin is None, the real one's job
@@ -385,7 +437,8 @@ def python_shim(args: Sequence[str]) -> int:
     server.ensure_running = mp.resource_tracker.ensure_running  # type: ignore[attr-defined]
     _CLIENT = True
     try:
-        process = warm_popen([sys.executable, *args], stdin=0, end_with_caller=True)
+        process = warm_popen([sys.executable, *rest], stdin=0, end_with_caller=True,
+                             unbuffered=unbuffered, share=True)  # fmt: skip
     except OSError:  # the server has ended (its socket file may stay): nothing was sent
         os.execv(sys.executable, [sys.executable, *args])
     for sig in _SIGNALS:
