@@ -8,10 +8,12 @@ line; a test that runs the example or a rank's script ten times pays that ten ti
 and ``sys.path[0]``, the given environment, directory and standard streams, the caller's SIGINT
 disposition (ignored under ``nohup``), its own session if asked, the exit status of an uncaught
 exception, ``SystemExit`` or ``KeyboardInterrupt``, and the ``atexit`` handlers run at the end.
-Processes the script starts (``spawn``'s ranks, torchrun's workers, DataLoader workers) start as
-they always do. Two more users of the server: a rank of ``run_distributed`` starts its
-forkserver DataLoader workers from it (:func:`share_server`), and the docs' shell blocks find a
-``python`` (``bin/python``, :func:`python_shim`) that runs scripts from it.
+Processes the script starts (``spawn``'s ranks, DataLoader workers) start as they always do;
+torchrun's workers too, unless its environment comes from :func:`torchrun_warm_env`. More
+users of the server: a rank of ``run_distributed`` starts its forkserver DataLoader workers
+from it (:func:`share_server`), the docs' shell blocks find a ``python`` (``bin/python``,
+:func:`python_shim`) that runs scripts from it, and torchrun's workers can start as that
+``python``.
 
 Tests whose subject is how a process starts (a launcher's own start-up, a
 console script, ``nohup``) keep ``subprocess``; the rest may use this.
