@@ -178,13 +178,11 @@ print(os.environ["RANK"], os.environ["WORLD_SIZE"], "timm" in sys.modules, sys.a
 
 @pytest.mark.timeout(180)
 def test_torchrun_workers_start_warm_with_torchruns_environment(tmp_path: Path) -> None:
-    from warm import torchrun_warm_env  # type: ignore[import-not-found]
+    from warm import torchrun_command, torchrun_warm_env  # type: ignore[import-not-found]
 
     script = tmp_path / "rank.py"
     script.write_text(_RANK_SCRIPT, encoding="utf-8")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-               str(script), "--flag", "x"]  # fmt: skip
+    command = torchrun_command(2, str(script), "--flag", "x")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     done = warm_run(command, env=torchrun_warm_env(env), cwd=tmp_path, capture_output=True,
                     text=True, timeout=150)  # fmt: skip

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from launched import LIMIT_S, kill_tree, launch, shown, when_step_saved  # type: ignore[import-not-found]
-from warm import WarmProcess, torchrun_warm_env  # type: ignore[import-not-found]
+from warm import WarmProcess, torchrun_command, torchrun_warm_env  # type: ignore[import-not-found]
 
 import ddpkit
 from ddpkit import PREEMPTED_EXIT_CODE, load_checkpoint
@@ -64,9 +64,7 @@ def _command(data: Path, checkpoints: Path, *extra: str) -> list[str]:
 
 def _torchrun(data: Path, checkpoints: Path, *extra: str) -> tuple[int, str]:
     """The script on 2 workers of torchrun, started warm: its status and output."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-               *_flags(data, checkpoints, *extra)]  # fmt: skip
+    command = torchrun_command(2, *_flags(data, checkpoints, *extra))
     return launch(command, torchrun_warm_env(_env()), ROOT)
 
 

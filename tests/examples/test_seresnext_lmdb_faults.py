@@ -5,8 +5,8 @@ with timm's tiny ``test_resnet`` on a small shapes LMDB, step checkpoints
 every 2 steps. torchrun's runs that get a kill or SIGTERM have data workers
 from a forkserver (``--worker-start``); the other runs read without workers
 (``-j 0``): a sample's augmentation depends on (seed, epoch, index) alone, so
-they see the same batches, and the weights every interrupted and resumed run ends with must
-be the uninterrupted run's, ``torch.equal``. The launchers start from the
+they see the same batches, and the weights every interrupted and resumed run
+ends with must be the uninterrupted run's, ``torch.equal``. The launchers start from the
 suite's preloaded server (``tests/helpers/warm.py``). The ranks ``spawn``
 starts are fresh interpreters, as in a user's job; torchrun's workers start
 from the server too (``torchrun_warm_env``), so the runs that need no
@@ -30,7 +30,7 @@ from launched import launch
 from launched import shown as _shown
 from launched import when_step_saved as _when_step_saved
 from launched import workers as _workers
-from warm import WarmProcess, torchrun_warm_env  # type: ignore[import-not-found]
+from warm import WarmProcess, torchrun_command, torchrun_warm_env  # type: ignore[import-not-found]
 
 from ddpkit import PREEMPTED_EXIT_CODE, load_checkpoint
 
@@ -73,8 +73,7 @@ def _args(data: Path, checkpoints: Path, *extra: str, workers: int = 2) -> list[
 
 
 def _torchrun(*extra: str, nprocs: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *extra]  # fmt: skip
+    return torchrun_command(nprocs, *extra)
 
 
 def _resume(data: Path, checkpoints: Path, nprocs: int) -> list[str]:

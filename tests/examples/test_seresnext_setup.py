@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from warm import torchrun_warm_env, warm_run  # type: ignore[import-not-found]
+from warm import torchrun_command, torchrun_warm_env, warm_run  # type: ignore[import-not-found]
 
 import ddpkit
 
@@ -167,26 +166,9 @@ def test_a_batch_that_does_not_divide_is_refused_by_the_parser(
 @pytest.mark.timeout(120)
 def test_a_batch_that_does_not_divide_under_torchrun_fails_fast(tmp_path: Path) -> None:
     # The ranks learn the world size from torchrun: they stop before building anything.
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "127.0.0.1:0",
-        str(ROOT / "examples" / "seresnext_lmdb.py"),
-        "--data",
-        str(tmp_path),
-        "--arch",
-        "test_resnet",
-        "-b",
-        "15",
-        "--dist-backend",
-        "gloo",
-    ]
+    script = str(ROOT / "examples" / "seresnext_lmdb.py")
+    command = torchrun_command(2, script, "--data", str(tmp_path), "--arch", "test_resnet",
+                               "-b", "15", "--dist-backend", "gloo")  # fmt: skip
     began = time.monotonic()
     # torchrun's workers start from the suite's server (warm.torchrun_warm_env).
     env = torchrun_warm_env(_env())

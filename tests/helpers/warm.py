@@ -90,6 +90,13 @@ def share_server() -> bool:
 SHIM = Path(__file__).resolve().parent / "bin" / "python"
 
 
+def torchrun_command(nprocs: int, *args: str) -> list[str]:
+    """``python -m torch.distributed.run`` on this host with ``nprocs`` workers, then ``args``:
+    a rendezvous on a port the store picks, so concurrent tests never share one."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *args]  # fmt: skip
+
+
 def torchrun_warm_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` for a torchrun whose workers start from the server, not as fresh interpreters.
 
