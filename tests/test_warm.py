@@ -170,6 +170,34 @@ def test_the_shell_python_takes_torchruns_u_and_buffers_as_python(tmp_path: Path
         assert fresh.stdout.splitlines() == [x.format(False) for x in lines], command
 
 
+_LOADER_SCRIPT = """\
+import multiprocessing, os
+from torch.utils.data import DataLoader
+from train_jobs import WorkerParents
+if __name__ == "__main__":
+    context = multiprocessing.get_context("forkserver")
+    loader = DataLoader(WorkerParents(), num_workers=2, multiprocessing_context=context)
+    parents = {int(batch) for batch in loader}
+    started = multiprocessing.forkserver._forkserver._forkserver_pid
+    print(parents == {int(os.environ["DDPKIT_TEST_WARM_SERVER"])}, started)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_of_the_shell_python_starts_its_forkserver_workers_from_the_server(
+    tmp_path: Path,
+) -> None:
+    # As a rank of run_distributed does (warm.share_server): no forkserver of its own.
+    from warm import start_server  # type: ignore[import-not-found]
+
+    start_server()
+    (tmp_path / "loader.py").write_text(_LOADER_SCRIPT, encoding="utf-8")
+    warm = _shell("python loader.py", tmp_path, shim=True)
+    assert warm.stdout == "True None\n", warm.stderr[-2000:]
+    fresh = _shell("python loader.py", tmp_path, shim=False)
+    assert fresh.stdout.startswith("False "), fresh.stderr[-2000:]
+
+
 _RANK_SCRIPT = """\
 import os, sys
 print(os.environ["RANK"], os.environ["WORLD_SIZE"], "timm" in sys.modules, sys.argv[1:], flush=True)
