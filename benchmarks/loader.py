@@ -361,7 +361,7 @@ def _report_loaders(rates: dict[int, dict[str, list[float]]], args: argparse.Nam
 
 
 def _target(what: str, value: float, low: float) -> None:
-    print(f"  {what:44} {value:6.2f}  {'PASS' if value >= low else 'FAIL'}")
+    print(f"  {what:44} {value:6.3f}  {'PASS' if value >= low else 'FAIL'}")
 
 
 def main() -> None:

@@ -25,13 +25,14 @@ from ddpkit.data import gpu_decode
 from ddpkit.data.images import decode_pil, decode_tensor, pixel_limit
 from ddpkit.data.lmdb_format import (
     LEGACY_KEYS,
+    EnvHandle,
     Identity,
     LMDBFormatError,
     data_file,
     identity,
     read_index,
     sample_key,
-    shared_env,
+    shared_handle,
 )
 
 __all__ = ["Decode", "LazyLMDBDataset"]
@@ -111,6 +112,7 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         self._real_paths = [os.path.realpath(p) for p in self.paths]
         self._data_files = [data_file(p) for p in self.paths]
         self._identities: list[Identity | None] = [None] * len(self.paths)
+        self._held: list[EnvHandle | None] = [None] * len(self.paths)
         before = [_identity_or_none(p) for p in self.paths]
         self._load_index()
         self._identities = [identity(p) for p in self.paths]
@@ -120,6 +122,7 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
                 "while its index was read (a build with --overwrite finishing?); create the "
                 "dataset again"
             )
+        self._held = [None] * len(self.paths)  # the first read checks the file it now expects
 
     def _load_index(self) -> None:
         indexes = [read_index(p) for p in self.paths]
@@ -135,6 +138,7 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self._labels = np.concatenate([ix.labels for ix in indexes]).astype(np.int64)
         self._labels.flags.writeable = False
+        self._label_of = self._labels.data  # a memoryview: a Python int per read, no NumPy scalar
         self._starts = [0]
         for ix in indexes:
             self._starts.append(self._starts[-1] + len(ix))
@@ -157,7 +161,7 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         return self._targets
 
     def __getitem__(self, index: int) -> tuple[Any, Any]:
-        n = len(self)
+        n = self._starts[-1]
         if not -n <= index < n:
             raise IndexError(f"index {index} is out of range for {n} samples")
         index %= n
@@ -169,10 +173,18 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         return image, target
 
     def __getstate__(self) -> dict[str, Any]:
-        # LMDB environments live in lmdb_format's per-process table, never here.
+        # LMDB environments live in lmdb_format's per-process table; a pickled copy
+        # (a spawned worker) asks there for its own.
         state = self.__dict__.copy()
         state["_targets"] = None
+        state["_held"] = [None] * len(self.paths)
+        state.pop("_label_of", None)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if "_labels" in state:
+            self._label_of = self._labels.data
 
     def __repr__(self) -> str:
         return (
@@ -185,15 +197,19 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
     def _env(self, shard: int) -> lmdb.Environment:
         # This process's environment for the file, opened lazily on its first read
         # (also the first read after a fork); a stat at most every 10 ms notices a
-        # replaced file.
-        return shared_env(
-            self.paths[shard],
-            readahead=self.readahead,
-            key=self._real_paths[shard],
-            expect=self._identities[shard],
-            data=self._data_files[shard],
-            recheck=_RECHECK_SECONDS,
-        )
+        # replaced file. Held here between those looks: asking lmdb_format's table
+        # each read costs about 1 % of a photo's.
+        held = self._held[shard]
+        if held is None or not held.usable(_RECHECK_SECONDS):
+            held = self._held[shard] = shared_handle(
+                self.paths[shard],
+                readahead=self.readahead,
+                key=self._real_paths[shard],
+                expect=self._identities[shard],
+                data=self._data_files[shard],
+                recheck=_RECHECK_SECONDS,
+            )
+        return held.env
 
     def _locate(self, index: int) -> tuple[int, int]:
         if len(self._starts) == 2:  # one database: no search
@@ -217,9 +233,11 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
                     f"{self.paths[shard]}: record {local} (sample {index}) is missing; "
                     "the database is damaged: check it with `ddpkit lmdb verify` and rebuild"
                 )
-            # Copy out of the memory map before the transaction ends; bytearray
-            # is writable, so torch can wrap it without another copy.
-            return bytearray(buf), self._labels.item(index)
+            # Copy out of the memory map before the transaction ends; bytearray is
+            # writable, so torch can wrap it without another copy. (Decoded in the map,
+            # the record would be read for a whole decode, while another thread that
+            # finds the file replaced may close the environment and unmap it.)
+            return bytearray(buf), self._label_of[index]
 
     def _decode(self, raw: bytearray, index: int) -> Any:
         if self.decode == "bytes":

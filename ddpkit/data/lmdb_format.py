@@ -35,6 +35,7 @@ __all__ = [
     "FORMAT_VERSION",
     "INDEX_KEY",
     "LEGACY_KEYS",
+    "EnvHandle",
     "Identity",
     "LMDBFormatError",
     "LMDBIndex",
@@ -48,7 +49,7 @@ __all__ = [
     "open_env",
     "read_index",
     "sample_key",
-    "shared_env",
+    "shared_handle",
 ]
 
 
@@ -206,15 +207,26 @@ def identity(path: str | os.PathLike[str], data: str | None = None) -> Identity:
 # twice in one process, and datasets over the same file must share it. One inherited
 # through fork(), or whose file was replaced (a rebuild with --overwrite), is closed
 # and opened again.
-@dataclass(slots=True)
-class _Open:
-    pid: int  # the process that opened it
+@dataclass(slots=True, eq=False)
+class EnvHandle:
+    """This process's environment for one database file, from :func:`shared_handle`.
+
+    A holder may keep using ``env`` while :meth:`usable` says so, without
+    asking :func:`shared_handle` again: the handle stops being usable in a
+    forked child, once its environment is closed (its file was replaced), and
+    ``recheck`` seconds after its file was last looked at.
+    """
+
+    pid: int  # the process that opened it; 0 once closed
     identity: Identity  # its file's, when last looked at
     env: lmdb.Environment
     checked: float  # time.monotonic() of that look
 
+    def usable(self, recheck: float) -> bool:
+        return self.pid == _PID and time.monotonic() - self.checked < recheck
 
-_SHARED: dict[str, _Open] = {}
+
+_SHARED: dict[str, EnvHandle] = {}
 _SHARED_LOCK = threading.Lock()
 # This process's id, kept up to date across fork: os.getpid() is a system call, and
 # right after a decode one costs about 1 % of it.
@@ -229,7 +241,7 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def shared_env(
+def shared_handle(
     path: str | os.PathLike[str],
     *,
     readahead: bool = False,
@@ -237,8 +249,9 @@ def shared_env(
     expect: Identity | None = None,
     data: str | None = None,
     recheck: float = 0.0,
-) -> lmdb.Environment:
-    """This process's environment for ``path``, opened on first use; safe from any thread.
+) -> EnvHandle:
+    """This process's environment for ``path`` (:class:`EnvHandle`), opened on first use; safe
+    from any thread.
 
     After ``fork()`` the parent's environment must not be used (LMDB's rule)
     and still blocks a new open of the same path (py-lmdb's rule): it is
@@ -259,7 +272,7 @@ def shared_env(
     entry = _SHARED.get(key)
     if entry is not None and entry.pid == _PID:
         if time.monotonic() - entry.checked < recheck and expect in (None, entry.identity):
-            return entry.env  # its file looked at a moment ago: trusted
+            return entry  # its file looked at a moment ago: trusted
     else:
         entry = None  # none yet, or inherited through fork (closed below, under the lock)
     looked, now = time.monotonic(), identity(path, data)
@@ -270,17 +283,17 @@ def shared_env(
         )
     if entry is not None and entry.identity == now:
         entry.checked = looked
-        return entry.env  # the common case, without the lock
+        return entry  # the common case, without the lock
     with _SHARED_LOCK:  # threads reading first at once must not open the file twice
         entry = _SHARED.get(key)
         if entry is not None:
             if entry.pid == _PID and entry.identity == now:
-                return entry.env
+                return entry
             entry.env.close()  # inherited through fork, or its file was replaced
+            entry.pid = 0  # no holder uses it again
             del _SHARED[key]
-        env = open_env(path, readahead=readahead)
-        _SHARED[key] = _Open(_PID, now, env, looked)
-        return env
+        entry = _SHARED[key] = EnvHandle(_PID, now, open_env(path, readahead=readahead), looked)
+        return entry
 
 
 @contextmanager
@@ -293,7 +306,7 @@ def env_for_reading(path: str | os.PathLike[str]) -> Iterator[lmdb.Environment]:
     """
     key = os.path.realpath(path)
     if key in _SHARED:
-        yield shared_env(path, key=key)
+        yield shared_handle(path, key=key).env
         return
     env = open_env(path)
     try:

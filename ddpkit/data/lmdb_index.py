@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,9 +55,10 @@ class LMDBFormatError(ValueError):
     """A path is not a ddpkit LMDB that this version can read; the message says what to do."""
 
 
-def sample_key(index: int) -> bytes:
-    """The key of sample ``index``: 8 bytes, big-endian, so keys sort in index order."""
-    return _KEY.pack(index)
+# The key of sample ``index``: 8 bytes, big-endian, so keys sort in index order. The
+# Struct's own method, not a function around it: the dataset calls it for every item,
+# where a Python frame more costs a tenth of a percent.
+sample_key: Callable[[int], bytes] = _KEY.pack
 
 
 @dataclass(frozen=True)

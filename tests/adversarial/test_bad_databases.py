@@ -11,12 +11,14 @@ from typing import Any
 import lmdb
 import pyarrow as pa
 import pytest
+import torch
 from corpus import image_tree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddpkit.cli import main
 from ddpkit.data import LazyLMDBDataset, LMDBFormatError, build_lmdb, describe_lmdb, verify_report
+from ddpkit.data.images import decode_tensor
 from ddpkit.data.lmdb_format import FORMAT_NAME, INDEX_KEY, decode_index, encode_index
 from ddpkit.testing import DistributedTestError, run_distributed
 
@@ -133,19 +135,26 @@ def test_a_corrupt_page_is_reported_and_verify_goes_on(
     assert "Traceback" not in captured.err
 
 
-def test_rebuilding_in_place_is_seen_by_this_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("decode", ["bytes", "tensor"])
+def test_rebuilding_in_place_is_seen_by_this_process(tmp_path: Path, decode: str) -> None:
     tree = image_tree(tmp_path / "imgs", per_class=2)
     db = tmp_path / "db"
     build_lmdb(tree, db, progress=False)
-    old = LazyLMDBDataset(db, decode="bytes")
-    old[0]  # this process now holds the database open
+    old = LazyLMDBDataset(db, decode=decode)  # type: ignore[arg-type]
+    old[0]  # this process now holds the database open, and the dataset its environment
     assert describe_lmdb(db)["samples"] == 4
     image_tree(tree, per_class=5)  # more images, then a rebuild over the old database
     build_lmdb(tree, db, overwrite=True, progress=False)
     assert describe_lmdb(db)["samples"] == 10
-    fresh = LazyLMDBDataset(db, decode="bytes")
+    fresh = LazyLMDBDataset(db, decode=decode)  # type: ignore[arg-type]
     assert len(fresh) == 10
-    assert fresh[9][0] == (tree / "c1" / "4.jpg").read_bytes()
+    last = (tree / "c1" / "4.jpg").read_bytes()
+    if decode == "bytes":
+        assert fresh[9][0] == last
+    else:
+        assert torch.equal(fresh[9][0], decode_tensor(last))
+    # At once, within the dataset's 10 ms of trust: the environment it held was closed
+    # when the new file was opened, so it asks again and hears why.
     with pytest.raises(LMDBFormatError, match="was replaced"):
         old[0]  # its index is the old database's: reading the new one would mix them
 

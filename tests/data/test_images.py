@@ -205,6 +205,71 @@ def test_the_corner_test_reads_any_layout_as_numpy_does(layout: str, size: tuple
         assert images._flat_corner(wide, height, width) == images._uniform_corner(pixels)
 
 
+def _cut_short(rank: int, world_size: int) -> dict[str, object]:
+    """Verdicts on JPEGs cut a few bytes short, an end marker kept (in a child: damaged data)."""
+    from ddpkit.data.images import check_image
+
+    pixels = np.full((64, 64, 3), 200, np.uint8)
+    pixels[:48] = np.random.default_rng(0).integers(0, 255, (48, 64, 3))
+    pixels[48:, 48:] = (220, 30, 30)  # a flat corner, not the gray of whole missing MCUs
+    whole = encode(Image.fromarray(pixels), quality=90)
+    out: dict[str, object] = {}
+    for cut in (1, 2, 3, 4):
+        # The data end inside the last MCU: libjpeg decodes its rest from zero bits,
+        # here a block flat in the colour before it.
+        short = whole[: -2 - cut] + b"\xff\xd9"
+        verdicts = [check_image(short, "decode")]
+        for decode in (decode_tensor, decode_pil):
+            try:
+                decode(short)
+                verdicts.append("decoded")
+            except Exception as exc:
+                verdicts.append(str(exc))
+        out[f"cut-{cut}"] = verdicts
+    return out
+
+
+def test_data_that_end_inside_the_last_mcu_are_refused() -> None:
+    # The corner is flat then, in a colour of the image: any flat corner is checked.
+    out = run_distributed(_cut_short, 1, init=None, timeout=120)[0]
+    assert len(out) == 4
+    for name, verdicts in out.items():
+        for verdict in verdicts:
+            assert verdict is not None, name
+            assert "JPEG data end before the image does" in verdict, name
+
+
+def _flat_jpeg(colour: int, **kwargs: object) -> bytes:
+    pixels = np.array(photo(7, (64, 48)).convert("RGB"))
+    pixels[-32:, -32:] = colour  # whole MCUs of one colour: decoded flat
+    return encode(Image.fromarray(pixels), quality=95, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("colour", "kwargs"),
+    [(0, {}), (255, {}), (128, {}), (30, {"subsampling": 0}), (0, {"progressive": True})],
+)
+def test_a_whole_photo_with_a_flat_corner_is_checked_with_one_decode_more(
+    monkeypatch: pytest.MonkeyPatch, colour: int, kwargs: dict[str, object]
+) -> None:
+    # A black border, a white background: the check decodes only the probed copy and
+    # compares it with the pixels the caller already has (before: both, again).
+    from ddpkit.data import images
+
+    jpeg = _flat_jpeg(colour, **kwargs)
+    decodes: list[int] = []
+    real = images._pillow_pixels
+    monkeypatch.setattr(images, "_pillow_pixels", lambda data: decodes.append(1) or real(data))
+    tensor = decode_tensor(jpeg)
+    assert images._uniform_corner(tensor.numpy())  # the corner is flat: checked
+    assert decodes == [1]
+    pil = decode_pil(jpeg)
+    assert decodes == [1, 1]
+    assert torch.equal(tensor, torch.from_numpy(np.array(pil)).permute(2, 0, 1))
+    images.check_jpeg_data(jpeg)  # without the pixels: both decoded, as before
+    assert decodes == [1, 1, 1, 1]
+
+
 def test_a_photo_whose_last_row_ends_flat_is_still_checked_whole() -> None:
     # The last row ending in one colour is common (a sky, a black border): the test then
     # looks at the whole corner, and a short file there is still an error.

@@ -15,6 +15,7 @@ from lmdb_fixtures import encode, photo, varied_images, write_db, write_legacy_d
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from ddpkit.data.images import decode_tensor
 from ddpkit.data.lmdb_dataset import LazyLMDBDataset
 from ddpkit.data.lmdb_format import (
     INDEX_KEY,
@@ -101,14 +102,25 @@ def test_two_datasets_on_one_file_share_the_environment(
     assert first[2][0] == images[2]
 
 
-def test_pickling_drops_the_environment(db: tuple[Path, list[bytes], list[int]]) -> None:
-    path, images, _ = db
-    ds = LazyLMDBDataset(path, decode="bytes")
-    ds[0]  # the environment is open in this process now
+@pytest.mark.parametrize("decode", ["bytes", "tensor"])
+def test_pickling_drops_the_environment(
+    db: tuple[Path, list[bytes], list[int]], decode: str
+) -> None:
+    path, images, labels = db
+    ds = LazyLMDBDataset(path, decode=decode)  # type: ignore[arg-type]
+    ds[0]  # the environment is open in this process now, and held by the dataset
     state = ds.__getstate__()
-    assert not any(isinstance(v, lmdb.Environment) for v in state.values())
+    held = [v for v in state.values() if isinstance(v, list)] + list(state.values())
+    assert not any(isinstance(v, lmdb.Environment | memoryview) for v in held)
+    assert state["_held"] == [None]
     copy = pickle.loads(pickle.dumps(ds))
-    assert copy[4][0] == images[4]
+    image, label = copy[4]
+    assert label == labels[4]
+    assert type(label) is int
+    if decode == "bytes":
+        assert image == images[4]
+    else:
+        assert torch.equal(image, decode_tensor(images[4]))
 
 
 @pytest.mark.timeout(180)

@@ -22,7 +22,7 @@ from ddpkit.data.lmdb_format import (
     open_env,
     read_index,
     sample_key,
-    shared_env,
+    shared_handle,
 )
 
 
@@ -105,12 +105,13 @@ def test_identity_tells_a_replaced_file_from_the_same_one(tmp_path: Path) -> Non
     assert identity(db) != first
 
 
-def test_shared_env_is_one_per_file_and_refuses_a_replaced_one(tmp_path: Path) -> None:
+def test_an_environment_is_one_per_file_and_refuses_a_replaced_one(tmp_path: Path) -> None:
     db = _db(tmp_path / "shared")
     before = identity(db)
-    env = shared_env(db)
-    assert shared_env(db) is env
-    assert shared_env(str(db) + "/", expect=before) is env  # the same file by another spelling
+    env = shared_handle(db).env
+    assert shared_handle(db).env is env
+    same_file = str(db) + "/"  # the same file by another spelling
+    assert shared_handle(same_file, expect=before).env is env
     with env_for_reading(db) as reading:
         assert reading is env  # the shared one, not a second open of the path
     os.replace(data_file(_db(tmp_path / "new", n=7)), data_file(db))
@@ -118,8 +119,8 @@ def test_shared_env_is_one_per_file_and_refuses_a_replaced_one(tmp_path: Path) -
         LMDBFormatError,
         match=r"was replaced \(rebuilt or copied over\) after this dataset read its index",
     ):
-        shared_env(db, expect=before)
-    fresh = shared_env(db)  # without an expectation: the new file, opened again
+        shared_handle(db, expect=before)
+    fresh = shared_handle(db).env  # without an expectation: the new file, opened again
     assert fresh is not env
     assert len(read_index(db)) == 7
 
@@ -131,6 +132,25 @@ def test_env_for_reading_closes_a_short_lived_environment(tmp_path: Path) -> Non
     with pytest.raises(lmdb.Error):
         env.stat()  # closed on leaving
     assert len(read_index(db)) == 3  # and the path can be opened again
+
+
+def test_a_handle_is_given_up_when_its_environment_is_closed(tmp_path: Path) -> None:
+    # A dataset holds its handle between looks at the file; once the file is replaced
+    # and the environment reopened, the handle it held must never be used again.
+    db = _db(tmp_path / "held", n=2)
+    handle = shared_handle(db)
+    assert shared_handle(db, recheck=60.0) is handle
+    assert shared_handle(db).env is handle.env
+    assert handle.usable(60.0)
+    assert not handle.usable(0.0)  # past its recheck window: looked at again
+    os.replace(data_file(_db(tmp_path / "other", n=5)), data_file(db))
+    fresh = shared_handle(db)  # sees the new file: the old environment is closed
+    assert fresh is not handle
+    assert not handle.usable(60.0)
+    with pytest.raises(lmdb.Error):
+        handle.env.stat()
+    with fresh.env.begin() as txn:
+        assert txn.get(sample_key(4)) == bytes([4]) * 64
 
 
 def test_a_recent_look_is_trusted_and_a_replacement_seen_after_it(
@@ -154,10 +174,10 @@ def test_a_recent_look_is_trusted_and_a_replacement_seen_after_it(
     elapsed = time.monotonic() - start
     assert len(looks) <= elapsed / 0.01 + 2  # not one per read
     before = identity(db)
-    assert shared_env(db, recheck=60.0, expect=before) is shared_env(db)
+    assert shared_handle(db, recheck=60.0, expect=before).env is shared_handle(db).env
     os.replace(data_file(_db(tmp_path / "new", n=7)), data_file(db))
     time.sleep(0.02)
     with pytest.raises(LMDBFormatError, match="was replaced"):
         dataset[1]
     with pytest.raises(LMDBFormatError, match="was replaced"):  # recheck=0: every call looks
-        shared_env(db, expect=before)
+        shared_handle(db, expect=before)
