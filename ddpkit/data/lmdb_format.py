@@ -15,9 +15,11 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import lmdb
 
+from ddpkit import _graveyard
 from ddpkit.data.lmdb_index import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -49,6 +51,7 @@ __all__ = [
     "open_env",
     "read_index",
     "sample_key",
+    "shared_env",
     "shared_handle",
 ]
 
@@ -239,6 +242,14 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
+
+
+def shared_env(path: str | os.PathLike[str], **options: Any) -> lmdb.Environment:
+    """Deprecated: ``shared_handle(path, ...).env``, which this returns (with a warning)."""
+    _graveyard.deprecated(
+        "ddpkit.data.lmdb_format.shared_env", "ddpkit.data.lmdb_format.shared_handle(...).env"
+    )
+    return shared_handle(path, **options).env
 
 
 def shared_handle(

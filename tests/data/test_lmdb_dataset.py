@@ -19,6 +19,7 @@ from ddpkit.data.images import decode_tensor
 from ddpkit.data.lmdb_dataset import LazyLMDBDataset
 from ddpkit.data.lmdb_format import (
     INDEX_KEY,
+    EnvHandle,
     LMDBFormatError,
     encode_index,
     open_env,
@@ -110,8 +111,8 @@ def test_pickling_drops_the_environment(
     ds = LazyLMDBDataset(path, decode=decode)  # type: ignore[arg-type]
     ds[0]  # the environment is open in this process now, and held by the dataset
     state = ds.__getstate__()
-    held = [v for v in state.values() if isinstance(v, list)] + list(state.values())
-    assert not any(isinstance(v, lmdb.Environment | memoryview) for v in held)
+    values = [x for v in state.values() for x in (v if isinstance(v, list) else [v])]
+    assert not any(isinstance(v, lmdb.Environment | memoryview | EnvHandle) for v in values)
     assert state["_held"] == [None]
     copy = pickle.loads(pickle.dumps(ds))
     image, label = copy[4]

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
 from lmdb_fixtures import write_db
 
+from ddpkit._graveyard import DdpkitDeprecationWarning
 from ddpkit.data.lmdb_format import (
     INDEX_KEY,
+    EnvHandle,
     LMDBFormatError,
     check_data_file,
     data_file,
@@ -22,6 +26,7 @@ from ddpkit.data.lmdb_format import (
     open_env,
     read_index,
     sample_key,
+    shared_env,
     shared_handle,
 )
 
@@ -151,6 +156,38 @@ def test_a_handle_is_given_up_when_its_environment_is_closed(tmp_path: Path) -> 
         handle.env.stat()
     with fresh.env.begin() as txn:
         assert txn.get(sample_key(4)) == bytes([4]) * 64
+
+
+def _usable_in_a_forked_child(handle: EnvHandle) -> bool:
+    # The child inherits the handle itself (it does not pickle) and answers on a pipe.
+    def answer(conn: Any) -> None:
+        conn.send(handle.usable(60.0))
+
+    parent, child = mp.get_context("fork").Pipe()
+    process = mp.get_context("fork").Process(target=answer, args=(child,))
+    process.start()
+    try:
+        assert parent.poll(60), "the forked child did not answer"
+        return bool(parent.recv())
+    finally:
+        process.join(10)
+
+
+def test_a_handle_is_not_usable_after_fork(tmp_path: Path) -> None:
+    # LMDB forbids a parent's environment in a forked child: a handle the child inherited
+    # (inside a dataset) sends it to shared_handle, which opens its own.
+    handle = shared_handle(_db(tmp_path / "forked"))
+    assert handle.usable(60.0)
+    assert _usable_in_a_forked_child(handle) is False
+    assert handle.usable(60.0)  # the parent's is untouched
+
+
+def test_shared_env_still_works_with_one_warning(tmp_path: Path) -> None:
+    db = _db(tmp_path / "old")
+    with pytest.warns(DdpkitDeprecationWarning, match=r"shared_env is deprecated") as said:
+        env = shared_env(db, recheck=1.0)
+    assert len(said) == 1
+    assert env is shared_handle(db).env
 
 
 def test_a_recent_look_is_trusted_and_a_replacement_seen_after_it(

@@ -33,6 +33,23 @@ def encode(image: Image.Image, fmt: str = "JPEG", **kwargs: object) -> bytes:
     return buf.getvalue()
 
 
+def decoders_say(data: bytes) -> list[str]:
+    """``"decoded"`` or ``"<Error>: <message>"`` from ``decode_tensor`` and ``decode_pil``, in turn.
+
+    Damaged data can crash a decoder: call this in a child process.
+    """
+    from ddpkit.data.images import decode_pil, decode_tensor
+
+    said = []
+    for decode in (decode_tensor, decode_pil):
+        try:
+            decode(data)
+            said.append("decoded")
+        except Exception as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+    return said
+
+
 def varied_images() -> list[bytes]:
     """RGB JPEG, grayscale JPEG, CMYK JPEG, RGBA PNG, palette PNG, WebP, BMP."""
     base = photo(0)
