@@ -19,10 +19,14 @@ and, in this process, what reading an item adds to decoding it:
 
 (j) the bare decoder the library decodes JPEG with, TorchCodec's ``decode_jpeg``,
     on the bytes of each record, read beforehand
-(i) ``LazyLMDBDataset(decode="tensor")[i]`` with no transform: the record
-    read, the header walked, the checks, the same decoder; each record
+(i) ``LazyLMDBDataset(decode="tensor")[i]`` with no transform, from a dataset
+    that has read every record once (a training run's epochs after the
+    first): the record read, its size checked, the same decoder; each record
     decoded by (j) and read by (i) one right after the other, in
     8 x ``--rounds`` rounds of 300 records
+(f) the same, each record's first read by a new dataset (the first epoch):
+    its header walked and its data checked for a short end too; in as many
+    rounds, interleaved with those of (i), each paired with (j) again (jf)
 
 Every process computes with one thread, so the figures are per worker core.
 Warm-up (worker start, first epoch, page cache) is not timed; each timed pass
@@ -80,6 +84,8 @@ NAMES = {
 DECODE_NAMES = {
     "j": "bare decoder on the records' bytes",
     "i": "LazyLMDBDataset decode=tensor [i], no transform",
+    "jf": "bare decoder, in the rounds of (f)",
+    "f": "(i) read the first time (a new dataset)",
 }
 PRESETS: dict[str, dict[str, Any]] = {
     "r": {"auto_augment": "rand", "magnitude": 9, "num_ops": 2},
@@ -176,13 +182,16 @@ def _inprocess_pass(dataset: Dataset[Any], n: int) -> tuple[int, float]:
 
 
 def _decode_rounds(db: str, rounds: int) -> dict[str, list[float]]:
-    """(j) and (i) of the docstring, paired record by record: img/s of each, per round.
+    """(j), (i) and (f) of the docstring, paired record by record: img/s of each, per round.
 
     Each round draws 300 records at random; each record is decoded bare and
     read as an item one right after the other (which goes first alternates),
     each call timed alone. Pairing by record, not by pass, keeps the machine's
     drift and each photo's size out of the ratio: a bare decoder against
-    itself reads 1.000 with a quartile spread of 0.003 here.
+    itself reads 1.000 with a quartile spread of 0.003 here. (i) is read from
+    a dataset that has read every record before (a training run's epochs
+    after the first); (f) from a new dataset each round, 300 different records
+    (its first epoch): the bare decoder's rates of each half are kept apart.
     """
     from torchcodec.decoders import decode_jpeg
 
@@ -193,19 +202,24 @@ def _decode_rounds(db: str, rounds: int) -> dict[str, list[float]]:
     def bare(i: int) -> object:  # TorchCodec's own decoder, on bytes read beforehand
         return decode_jpeg(torch.frombuffer(records[i], dtype=torch.uint8), mode="RGB")
 
-    def item(i: int) -> object:
-        return dataset[i]
-
     for i in range(len(dataset)):  # warm-up: the page cache, the decoder's first calls
         bare(i)
-        item(i)
+        dataset[i]
     clock = time.perf_counter
-    rates: dict[str, list[float]] = {"j": [], "i": []}
-    for _ in range(rounds):
-        order = torch.randint(len(dataset), (300,), generator=generator).tolist()
-        spent = {"j": 0.0, "i": 0.0}
+    rates: dict[str, list[float]] = {"j": [], "i": [], "jf": [], "f": []}
+    for r in range(2 * rounds):
+        first_reads = r % 2 == 1  # the halves interleaved: the machine's hour hits both
+        if first_reads:
+            item: Callable[[int], object] = LazyLMDBDataset(db).__getitem__
+            order = torch.randperm(len(dataset), generator=generator)[:300].tolist()
+            names = ("jf", "f")
+        else:
+            item = dataset.__getitem__
+            order = torch.randint(len(dataset), (300,), generator=generator).tolist()
+            names = ("j", "i")
+        spent = dict.fromkeys(names, 0.0)
         for n, i in enumerate(order):
-            first, second = ("j", bare), ("i", item)
+            first, second = (names[0], bare), (names[1], item)
             if n % 2:
                 first, second = second, first
             start = clock()
@@ -215,7 +229,7 @@ def _decode_rounds(db: str, rounds: int) -> dict[str, list[float]]:
             end = clock()
             spent[first[0]] += middle - start
             spent[second[0]] += end - middle
-        for k in rates:
+        for k in names:
             rates[k].append(len(order) / spent[k])
     return rates
 
@@ -232,7 +246,7 @@ def run(args: argparse.Namespace) -> None:
     _describe(tree, args)
     decoding = _decode_rounds(ddpkit_db, 8 * args.rounds)
     print(
-        f"  in this process, {8 * args.rounds} rounds: "
+        f"  in this process, {8 * args.rounds} rounds of each: "
         + "  ".join(f"({k}) {statistics.median(v):.0f}" for k, v in decoding.items()),
         flush=True,
     )
@@ -308,11 +322,14 @@ def _report(
     for k, name in DECODE_NAMES.items():
         v = decoding[k]
         print(f"({k}) {name:46} {statistics.median(v):6.0f} ({min(v):.0f}-{max(v):.0f})")
-    each = sorted(i / j for i, j in zip(decoding["i"], decoding["j"], strict=True))
-    print(f"(i)/(j) per round, sorted: {', '.join(f'{r:.3f}' for r in each)}")
+    for top, bottom in (("i", "j"), ("f", "jf")):
+        each = sorted(t / b for t, b in zip(decoding[top], decoding[bottom], strict=True))
+        print(f"({top})/({bottom}) per round, sorted: {', '.join(f'{r:.3f}' for r in each)}")
 
     print("\ntargets")
     _target("(i)/(j) >= 0.95: an item costs its decode", _ratio(decoding, "i", "j"), 0.95)
+    first = _ratio(decoding, "f", "jf")
+    print(f"  {'(f)/(jf): the same, its first read':44} {first:6.3f}  (information)")
     for w in counts:
         _target(f"(d)/(a) >= 2.0, {w} worker(s)", _ratio(rates[w], "d", "a"), 2.0)
     for w in counts:

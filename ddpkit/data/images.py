@@ -38,6 +38,7 @@ __all__ = [
     "check_png",
     "decode_pil",
     "decode_tensor",
+    "decode_tensor_known",
     "image_size",
     "jpeg_for_decoder",
     "pixel_limit",
@@ -151,7 +152,7 @@ def _load_decoders(library: str) -> dict[str, Decoder] | None:
         # their parsing costs about 0.5 % of a photo's decode. One source in, one image out.
         jpeg = functools.partial(decode_jpeg, mode=Mode.RGB, device=torch.device("cpu"))
         return {
-            "jpeg": cast(Decoder, jpeg),
+            "jpeg": _jpeg_op(cast(Decoder, jpeg), Mode.RGB.value),
             "webp": functools.partial(decode_webp, mode=Mode.RGB),
         }
     try:
@@ -160,6 +161,29 @@ def _load_decoders(library: str) -> dict[str, Decoder] | None:
         return None
     rgb = functools.partial(decode_image, mode=ImageReadMode.RGB)
     return {"jpeg": rgb, "webp": rgb}
+
+
+def _jpeg_op(public: Decoder, rgb: int) -> Decoder:
+    """TorchCodec's JPEG operator itself where it gives what ``public`` gives; else ``public``.
+
+    ``decode_jpeg`` is a Python wrapper around the operator (batches, devices,
+    modes and dtypes normalised, a list built and unpacked); for one CPU
+    source decoded to RGB it changes nothing, yet costs 2-3 % of a photo's
+    decode. The operator is used only once it gave the same tensor, with the
+    same strides, as ``public`` on a photo made here (once per process); any
+    difference, or a TorchCodec without it, leaves the wrapper.
+    """
+    try:
+        op = torch.ops.torchcodec_ns.decode_jpeg.default
+        rng = np.random.default_rng(0)
+        probe = io.BytesIO()  # 4:2:0, rows and columns not a multiple of the blocks
+        Image.fromarray(rng.integers(0, 256, (19, 37, 3), dtype=np.uint8)).save(probe, "JPEG")
+        data = torch.frombuffer(bytearray(probe.getvalue()), dtype=torch.uint8)
+        ours, theirs = op(data, mode=rgb), public(data)
+        same = ours.stride() == theirs.stride() and torch.equal(ours, theirs)
+    except Exception:  # the operator renamed, moved or changed: the public function
+        return public
+    return cast(Decoder, functools.partial(op, mode=rgb)) if same else public
 
 
 @functools.cache
@@ -287,10 +311,9 @@ def decode_tensor(raw: Buffer, *, max_pixels: int | None = None) -> torch.Tensor
             they can read (``ValueError``, ``RuntimeError``, ``OSError``,
             ``UnidentifiedImageError`` ...); never a crash.
     """
-    if raw[:3] == _JPEG_START:  # nearly every photo: the shortest way through
+    if raw[:3] == _JPEG_START:  # nearly every photo: one function to the decoder and back
         jpeg = tensor_decoders()[1].get("jpeg")
-        image = None if jpeg is None else _fast_jpeg(jpeg, raw, max_pixels)
-        return _pillow_tensor(raw, max_pixels) if image is None else image
+        return _pillow_tensor(raw, max_pixels) if jpeg is None else _jpeg(jpeg, raw, max_pixels)[0]
     kind = _kind(raw)
     decode = tensor_decoders()[1].get(kind)
     if decode is None or (kind == "webp" and _animated_webp(raw)):
@@ -302,19 +325,83 @@ def decode_tensor(raw: Buffer, *, max_pixels: int | None = None) -> torch.Tensor
     return _pillow_tensor(raw, max_pixels) if image is None else image
 
 
-def _fast_jpeg(decode: Decoder, raw: Buffer, max_pixels: int | None) -> torch.Tensor | None:
-    """The JPEG ``raw`` decoded by ``decode``, checked; None where Pillow should decode it."""
+def decode_tensor_known(
+    raw: Buffer, known: int, *, max_pixels: int | None = None
+) -> tuple[torch.Tensor, int]:
+    """:func:`decode_tensor`, with what an earlier decode of the same bytes found.
+
+    What must be found once per record, not once per read: for a JPEG with an
+    ordinary header (8-bit samples, one frame, no APP1 segment) whose data
+    were found whole, its size. Given that (``known``, from an earlier call
+    on the same bytes), its header is not walked and its data not checked for
+    a short end again; its size is still checked against ``max_pixels`` and
+    against what the decoder gives. ``LazyLMDBDataset`` keeps it per record,
+    shared by its DataLoader workers, so a record's header and data are
+    examined in the first epoch and only decoded after.
+
+    Args:
+        raw: the encoded bytes.
+        known: what this function returned for the same bytes before; 0:
+            nothing (the first read, or not a JPEG of that kind).
+        max_pixels: as for :func:`decode_tensor`.
+
+    Returns:
+        The image, as :func:`decode_tensor` gives it, and what to pass as
+        ``known`` next time: ``width << 16 | height``, or 0.
+
+    Raises:
+        As :func:`decode_tensor`.
+    """
+    if known:
+        jpeg = tensor_decoders()[1].get("jpeg")
+        width, height = known >> 16, known & 0xFFFF
+        limit = pixel_limit(max_pixels)
+        if jpeg is not None and (limit is None or width * height <= limit):
+            data = raw if isinstance(raw, bytearray) else bytearray(raw)
+            try:
+                image = jpeg(torch.frombuffer(data, dtype=torch.uint8))
+            except RuntimeError:
+                image = None
+            if image is not None and image.shape == (3, height, width):
+                return image, known
+        # Over a limit lowered since, or (never, for the same bytes) another result:
+        # the whole way, which says why.
+    if raw[:3] == _JPEG_START:
+        jpeg = tensor_decoders()[1].get("jpeg")
+        if jpeg is not None:
+            return _jpeg(jpeg, raw, max_pixels)
+    return decode_tensor(raw, max_pixels=max_pixels), 0
+
+
+def _jpeg(decode: Decoder, raw: Buffer, max_pixels: int | None) -> tuple[torch.Tensor, int]:
+    """The JPEG ``raw`` decoded by the fast decoder ``decode``, checked, else by Pillow; and
+    what :func:`decode_tensor_known` may remember of it (``width << 16 | height``, or 0).
+
+    Written out in one function: right after a decode, each Python call more
+    costs about 0.3 % of the photo's decode.
+    """
     size, app1 = _jpeg_header(raw)
+    usual = size is not None and not app1
     if size is None:  # a header out of the ordinary: Pillow reads it
         with _open(raw) as header:
             size = header.size
     width, height = size
-    _check_pixels(width, height, max_pixels)
-    data = _without_orientation(raw, app1) if app1 else raw
-    image = _fast_decoded(decode, data, width, height)
-    if image is not None and _flat_corner(image, height, width):
+    limit = pixel_limit(max_pixels)
+    if limit is not None and width * height > limit:
+        _check_pixels(width, height, max_pixels)  # raises, with the words
+    if app1:
+        data = _without_orientation(raw, app1)
+    else:  # frombuffer needs a writable buffer: the dataset's records are one already
+        data = raw if isinstance(raw, bytearray) else bytearray(raw)
+    try:
+        image = decode(torch.frombuffer(data, dtype=torch.uint8))
+    except RuntimeError:
+        return _pillow_tensor(raw, max_pixels), 0  # Pillow says what is wrong
+    if image.shape != (3, height, width):
+        return _pillow_tensor(raw, max_pixels), 0  # the decoder disagrees with the header
+    if _flat_corner(image, height, width):
         check_jpeg_data(raw, decoded=image.numpy().transpose(1, 2, 0))
-    return image
+    return image, (width << 16 | height) if usual else 0
 
 
 def _fast_decoded(decode: Decoder, data: Buffer, width: int, height: int) -> torch.Tensor | None:
@@ -337,7 +424,14 @@ def _fast_decoded(decode: Decoder, data: Buffer, width: int, height: int) -> tor
 
 def _flat_corner(image: torch.Tensor, height: int, width: int) -> bool:
     """:func:`_uniform_corner` of a decoded ``3 x height x width`` tensor."""
-    if width >= 4 and image.dtype == torch.uint8:
+    if width >= 4 and image.stride() == (1, 3 * width, 3) and image.dtype == torch.uint8:
+        # Packed RGB rows, as libjpeg writes them (TorchCodec's layout): the last row's
+        # last 4 pixels are the image's last 12 bytes, read at once.
+        end = image.data_ptr() + 3 * width * height
+        last = ctypes.string_at(end - 12, 12)
+        if last != last[:3] * 4:
+            return False
+    elif width >= 4 and image.dtype == torch.uint8:
         # The last row's last 4 pixels first (they differ in 24 photos of 25), read
         # through ctypes where the tensor's own strides put them: right after a decode
         # a NumPy view of the tensor costs 3 % of the decode, this a tenth of that.

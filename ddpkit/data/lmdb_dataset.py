@@ -12,6 +12,7 @@ workers can read one database at once.
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ddpkit.data import gpu_decode
-from ddpkit.data.images import decode_pil, decode_tensor, pixel_limit
+from ddpkit.data.images import decode_pil, decode_tensor, decode_tensor_known, pixel_limit
 from ddpkit.data.lmdb_format import (
     LEGACY_KEYS,
     EnvHandle,
@@ -123,6 +124,7 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
                 "dataset again"
             )
         self._held = [None] * len(self.paths)  # the first read checks the file it now expects
+        self._known = _facts(len(self))
 
     def _load_index(self) -> None:
         indexes = [read_index(p) for p in self.paths]
@@ -166,7 +168,16 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
             raise IndexError(f"index {index} is out of range for {n} samples")
         index %= n
         raw, label = self._record(index)
-        image = self._decode(raw, index)
+        if self.decode == "tensor":  # the default, without a call more (see decode_tensor)
+            known = self._known[index]
+            try:
+                image, found = decode_tensor_known(raw, known, max_pixels=self.max_pixels)
+            except Exception as exc:
+                raise self._undecodable(index, exc) from exc
+            if found != known:
+                self._known[index] = found
+        else:
+            image = self._decode(raw, index)
         if self.transform is not None:
             image = self.transform(image)
         target: Any = label if self.target_transform is None else self.target_transform(label)
@@ -179,12 +190,14 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
         state["_targets"] = None
         state["_held"] = [None] * len(self.paths)
         state.pop("_label_of", None)
+        state.pop("_known", None)  # memory shared with forked children, not with a pickle
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         if "_labels" in state:
             self._label_of = self._labels.data
+        self._known = _facts(len(self))
 
     def __repr__(self) -> str:
         return (
@@ -251,13 +264,16 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
                 return decode_pil(raw, max_pixels=self.max_pixels)
             return decode_tensor(raw, max_pixels=self.max_pixels)
         except Exception as exc:
-            shard, local = self._locate(index)
-            raise LMDBFormatError(
-                f"sample {index} (record {local} of {self.paths[shard]}"
-                f"{self._built_from(shard, local)}) does not decode as an image: "
-                f"{type(exc).__name__}: {exc}. `ddpkit lmdb verify {self.paths[shard]}` lists "
-                "every bad record."
-            ) from exc
+            raise self._undecodable(index, exc) from exc
+
+    def _undecodable(self, index: int, exc: Exception) -> LMDBFormatError:
+        shard, local = self._locate(index)
+        return LMDBFormatError(
+            f"sample {index} (record {local} of {self.paths[shard]}"
+            f"{self._built_from(shard, local)}) does not decode as an image: "
+            f"{type(exc).__name__}: {exc}. `ddpkit lmdb verify {self.paths[shard]}` lists "
+            "every bad record."
+        )
 
     def _built_from(self, shard: int, local: int) -> str:
         """``", built from <path>"`` for an error message, when the index keeps paths."""
@@ -362,6 +378,33 @@ def _legacy_loads(value: bytes, path: str) -> Any:
             f"{path}: a record is not a readable pickle ({type(exc).__name__}: {exc}): the "
             "database is damaged, or not a folder2lmdb one. Rebuild it with `ddpkit lmdb build`."
         ) from exc
+
+
+def _facts(samples: int) -> memoryview | _Forgetful:
+    """Per sample, what its first decode found that later ones need not find again
+    (:func:`~ddpkit.data.images.decode_tensor_known`; 0: nothing yet), as uint32.
+
+    Anonymous shared memory: DataLoader workers forked from this process (the
+    default on Linux) and their successors each epoch fill and read one table,
+    so each record is examined once per run, whichever worker reads it. Pages
+    are taken as they are written, 4 bytes a sample at most, and count against
+    no /dev/shm limit. A pickled dataset (``spawn``, ``forkserver``) starts a
+    table of its own.
+    """
+    try:
+        return memoryview(mmap.mmap(-1, 4 * max(samples, 1))).cast("I")
+    except OSError:  # refused (a strict overcommit limit): every read is a first read
+        return _Forgetful()
+
+
+class _Forgetful:
+    """A table of what first reads found that keeps nothing."""
+
+    def __getitem__(self, index: int) -> int:
+        return 0
+
+    def __setitem__(self, index: int, value: int) -> None:
+        pass
 
 
 def _identity_or_none(path: str) -> Identity | None:

@@ -218,8 +218,19 @@ def _cut_short(rank: int, world_size: int) -> dict[str, object]:
         # The data end inside the last MCU: libjpeg decodes its rest from zero bits,
         # here a block flat in the colour before it.
         short = whole[: -2 - cut] + b"\xff\xd9"
-        out[f"cut-{cut}"] = [check_image(short, "decode"), *decoders_say(short)]
+        out[f"cut-{cut}"] = [check_image(short, "decode"), *decoders_say(short), _first_read(short)]
     return out
+
+
+def _first_read(data: bytes) -> str | None:
+    """What decode_tensor_known says of bytes read the first time (None: decoded)."""
+    from ddpkit.data.images import decode_tensor_known
+
+    try:
+        decode_tensor_known(bytearray(data), 0)
+    except Exception as exc:
+        return str(exc)
+    return None
 
 
 def test_data_that_end_inside_the_last_mcu_are_refused() -> None:
@@ -227,6 +238,7 @@ def test_data_that_end_inside_the_last_mcu_are_refused() -> None:
     out = run_distributed(_cut_short, 1, init=None, timeout=120)[0]
     assert len(out) == 4
     for name, verdicts in out.items():
+        assert len(verdicts) == 4, name  # check_image, decode_tensor, decode_pil, first read
         for verdict in verdicts:
             assert verdict is not None, name
             assert "JPEG data end before the image does" in verdict, name
@@ -278,3 +290,87 @@ def test_a_photo_whose_last_row_ends_flat_is_still_checked_whole() -> None:
     )
     with pytest.raises((ValueError, OSError), match="truncated"):
         decode_tensor(jpeg[: len(jpeg) * 2 // 3])
+
+
+def test_what_a_first_decode_found_is_not_looked_for_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A record's header walk and its check for a short end happen on its first read;
+    # later reads, given what that found, only decode (and check the size they get).
+    from ddpkit.data import images
+    from ddpkit.data.images import decode_tensor_known
+
+    jpeg = bytearray(_flat_jpeg(0))  # a flat corner: the first read checks the data too
+    expected = decode_tensor(jpeg)
+    image, known = decode_tensor_known(jpeg, 0)
+    assert torch.equal(image, expected)
+    assert known == (64 << 16 | 48)  # width, height
+
+    def looked(*args: object, **kwargs: object) -> None:
+        raise AssertionError("looked for again")
+
+    monkeypatch.setattr(images, "_jpeg_header", looked)
+    monkeypatch.setattr(images, "check_jpeg_data", looked)
+    monkeypatch.setattr(images, "_flat_corner", looked)
+    again, known_again = decode_tensor_known(jpeg, known)
+    assert torch.equal(again, expected)
+    assert known_again == known
+    with pytest.raises(AssertionError, match="looked for again"):
+        decode_tensor_known(jpeg, 0)  # without it: the whole way
+
+
+def test_only_a_plain_whole_jpeg_is_remembered() -> None:
+    from ddpkit.data.images import decode_tensor_known
+
+    jpeg = encode(photo(3), quality=90)
+    oriented = _with_exif(jpeg, 3)  # an APP1 segment: looked at each read
+    for data in (oriented, *varied_images()[3:]):  # that, PNG, WebP, BMP ...
+        image, known = decode_tensor_known(bytearray(data), 0)
+        assert known == 0
+        assert torch.equal(image, decode_tensor(data))
+    image, known = decode_tensor_known(bytes(jpeg), 0)  # not a bytearray: copied, the same
+    assert known == (96 << 16 | 72)
+    assert torch.equal(image, decode_tensor(jpeg))
+
+
+def test_a_remembered_size_still_meets_the_pixel_limit_and_the_decoder() -> None:
+    from ddpkit.data.images import ImageTooLargeError, decode_tensor_known
+
+    jpeg = bytearray(encode(photo(3), quality=90))
+    _, known = decode_tensor_known(jpeg, 0)
+    with pytest.raises(ImageTooLargeError, match="96x72"):  # a limit lowered since
+        decode_tensor_known(jpeg, known, max_pixels=96 * 72 - 1)
+    # Not what the decoder gives (never for the same bytes): the whole way, and the truth.
+    image, found = decode_tensor_known(jpeg, 10 << 16 | 10)
+    assert torch.equal(image, decode_tensor(jpeg))
+    assert found == known
+    image, found = decode_tensor_known(bytearray(varied_images()[3]), known)  # a PNG
+    assert found == 0
+    assert torch.equal(image, decode_tensor(varied_images()[3]))
+
+
+def test_torchcodecs_operator_is_used_only_where_it_agrees_with_decode_jpeg() -> None:
+    # decode_jpeg's Python wrapper costs 2-3 % of a photo for one CPU source; its
+    # operator is called directly once it gave the same tensor, else the wrapper stays.
+    pytest.importorskip("torchcodec")
+    from torchcodec.decoders import decode_jpeg
+
+    from ddpkit.data import images
+
+    def public(data: torch.Tensor) -> torch.Tensor:
+        return decode_jpeg(data, mode="RGB")
+
+    chosen = images._jpeg_op(public, 3)
+    assert chosen is not public
+    jpeg = bytearray(encode(photo(3), quality=90))
+    assert torch.equal(chosen(torch.frombuffer(jpeg, dtype=torch.uint8)), decode_tensor(jpeg))
+
+    def flipped(data: torch.Tensor) -> torch.Tensor:  # a wrapper that does something more
+        return public(data).flip(-1)
+
+    def broken(data: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no such operator")
+
+    assert images._jpeg_op(flipped, 3) is flipped
+    assert images._jpeg_op(broken, 3) is broken
+    assert images._jpeg_op(public, 1) is public  # gray from the operator: not the same

@@ -149,6 +149,67 @@ def test_dataloader_workers_under_every_start_method(
     assert seen == list(zip(images, labels, strict=True))
 
 
+@pytest.mark.timeout(180)
+def test_forked_workers_examine_each_record_once_per_run(
+    db: tuple[Path, list[bytes], list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a record's first decode found (decode_tensor_known) is kept in memory the
+    # workers share with this process: the next epoch's workers, whichever records
+    # they draw, only decode.
+    from ddpkit.data import images
+
+    path, images_, _ = db
+    ds = LazyLMDBDataset(path)
+    assert set(ds._known) == {0}
+    loader = DataLoader(
+        ds, batch_size=4, num_workers=2, multiprocessing_context=mp.get_context("fork")
+    )
+    first = [x for batch, _ in loader for x in batch]
+    assert all(torch.equal(a, decode_tensor(b)) for a, b in zip(first, images_, strict=True))
+    assert all(ds._known[i] == 96 << 16 | 72 for i in range(len(ds)))  # found by the workers
+
+    def looked(raw: object) -> None:
+        raise AssertionError("a header walked twice")
+
+    monkeypatch.setattr(images, "_jpeg_header", looked)  # the next epoch's workers inherit it
+    again = [x for batch, _ in loader for x in batch]
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    with pytest.raises(LMDBFormatError, match="walked twice"):
+        LazyLMDBDataset(path)[0]  # another dataset: its own first reads
+    copy = pickle.loads(pickle.dumps(ds))  # a spawned worker's copy: a table of its own
+    assert set(copy._known) == {0}
+
+
+def test_without_memory_for_the_table_every_read_is_a_first_read(
+    db: tuple[Path, list[bytes], list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mmap
+
+    path, images_, labels = db
+
+    def refused(*args: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refused)
+    ds = LazyLMDBDataset(path)
+    for _ in range(2):
+        image, label = ds[5]
+        assert torch.equal(image, decode_tensor(images_[5]))
+        assert label == labels[5]
+    assert ds._known[5] == 0
+
+
+def test_a_bad_record_is_refused_at_every_read(tmp_path: Path) -> None:
+    good = encode(photo(1), quality=90)
+    path = write_db(tmp_path / "db", [good, good[: len(good) // 2]], [0, 1], CLASSES)
+    ds = LazyLMDBDataset(path)
+    for _ in range(2):
+        assert ds[0][0].shape == (3, 72, 96)
+        with pytest.raises(LMDBFormatError, match="sample 1"):
+            ds[1]
+    assert ds._known[1] == 0
+
+
 def _ranks_with_workers(rank: int, world_size: int, path: str) -> list[int]:
     from train_jobs import worker_start  # type: ignore[import-not-found]
 
