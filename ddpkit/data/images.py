@@ -311,18 +311,7 @@ def decode_tensor(raw: Buffer, *, max_pixels: int | None = None) -> torch.Tensor
             they can read (``ValueError``, ``RuntimeError``, ``OSError``,
             ``UnidentifiedImageError`` ...); never a crash.
     """
-    if raw[:3] == _JPEG_START:  # nearly every photo: one function to the decoder and back
-        jpeg = tensor_decoders()[1].get("jpeg")
-        return _pillow_tensor(raw, max_pixels) if jpeg is None else _jpeg(jpeg, raw, max_pixels)[0]
-    kind = _kind(raw)
-    decode = tensor_decoders()[1].get(kind)
-    if decode is None or (kind == "webp" and _animated_webp(raw)):
-        return _pillow_tensor(raw, max_pixels)  # PNG (checked there), GIF, BMP, TIFF ...
-    with _open(raw) as header:  # WebP: Pillow reads its header
-        width, height = header.size
-    _check_pixels(width, height, max_pixels)
-    image = _fast_decoded(decode, _webp_without_orientation(raw), width, height)
-    return _pillow_tensor(raw, max_pixels) if image is None else image
+    return decode_tensor_known(raw, 0, max_pixels=max_pixels)[0]
 
 
 def decode_tensor_known(
@@ -352,35 +341,35 @@ def decode_tensor_known(
     Raises:
         As :func:`decode_tensor`.
     """
-    if known:
-        jpeg = tensor_decoders()[1].get("jpeg")
-        width, height = known >> 16, known & 0xFFFF
-        limit = pixel_limit(max_pixels)
-        if jpeg is not None and (limit is None or width * height <= limit):
-            data = raw if isinstance(raw, bytearray) else bytearray(raw)
-            try:
-                image = jpeg(torch.frombuffer(data, dtype=torch.uint8))
-            except RuntimeError:
-                image = None
-            if image is not None and image.shape == (3, height, width):
-                return image, known
-        # Over a limit lowered since, or (never, for the same bytes) another result:
-        # the whole way, which says why.
-    if raw[:3] == _JPEG_START:
+    if known or raw[:3] == _JPEG_START:  # nearly every photo: one function to the decoder
         jpeg = tensor_decoders()[1].get("jpeg")
         if jpeg is not None:
-            return _jpeg(jpeg, raw, max_pixels)
-    return decode_tensor(raw, max_pixels=max_pixels), 0
+            return _jpeg(jpeg, raw, max_pixels, known)
+    kind = _kind(raw)
+    decode = tensor_decoders()[1].get(kind)
+    if decode is None or (kind == "webp" and _animated_webp(raw)):
+        return _pillow_tensor(raw, max_pixels), 0  # PNG (checked there), GIF, BMP, TIFF ...
+    with _open(raw) as header:  # WebP: Pillow reads its header
+        width, height = header.size
+    _check_pixels(width, height, max_pixels)
+    image = _fast_decoded(decode, _webp_without_orientation(raw), width, height)
+    return (_pillow_tensor(raw, max_pixels) if image is None else image), 0
 
 
-def _jpeg(decode: Decoder, raw: Buffer, max_pixels: int | None) -> tuple[torch.Tensor, int]:
+def _jpeg(
+    decode: Decoder, raw: Buffer, max_pixels: int | None, known: int
+) -> tuple[torch.Tensor, int]:
     """The JPEG ``raw`` decoded by the fast decoder ``decode``, checked, else by Pillow; and
     what :func:`decode_tensor_known` may remember of it (``width << 16 | height``, or 0).
 
-    Written out in one function: right after a decode, each Python call more
-    costs about 0.3 % of the photo's decode.
+    With ``known``, the header is not walked and the data not checked for a
+    short end. Written out in one function: right after a decode, each Python
+    call more costs about 0.3 % of the photo's decode.
     """
-    size, app1 = _jpeg_header(raw)
+    app1: list[int] = []
+    size: tuple[int, int] | None = (known >> 16, known & 0xFFFF)
+    if not known:  # the first read
+        size, app1 = _jpeg_header(raw)
     usual = size is not None and not app1
     if size is None:  # a header out of the ordinary: Pillow reads it
         with _open(raw) as header:
@@ -396,10 +385,12 @@ def _jpeg(decode: Decoder, raw: Buffer, max_pixels: int | None) -> tuple[torch.T
     try:
         image = decode(torch.frombuffer(data, dtype=torch.uint8))
     except RuntimeError:
+        image = None
+    if image is None or image.shape != (3, height, width):
+        if known:  # not what was found before (never, for the same bytes): the whole way
+            return decode_tensor_known(raw, 0, max_pixels=max_pixels)
         return _pillow_tensor(raw, max_pixels), 0  # Pillow says what is wrong
-    if image.shape != (3, height, width):
-        return _pillow_tensor(raw, max_pixels), 0  # the decoder disagrees with the header
-    if _flat_corner(image, height, width):
+    if not known and _flat_corner(image, height, width):
         check_jpeg_data(raw, decoded=image.numpy().transpose(1, 2, 0))
     return image, (width << 16 | height) if usual else 0
 

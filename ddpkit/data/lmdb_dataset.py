@@ -23,7 +23,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from ddpkit.data import gpu_decode
-from ddpkit.data.images import decode_pil, decode_tensor, decode_tensor_known, pixel_limit
+from ddpkit.data.images import decode_pil, decode_tensor_known, pixel_limit
 from ddpkit.data.lmdb_format import (
     LEGACY_KEYS,
     EnvHandle,
@@ -260,9 +260,7 @@ class LazyLMDBDataset(Dataset[tuple[Any, Any]]):
                 shard, local = self._locate(index)
                 where = f"sample {index} (record {local} of {self.paths[shard]})"
                 return gpu_decode.encode(raw, max_pixels=self.max_pixels, where=where)
-            if self.decode == "pil":
-                return decode_pil(raw, max_pixels=self.max_pixels)
-            return decode_tensor(raw, max_pixels=self.max_pixels)
+            return decode_pil(raw, max_pixels=self.max_pixels)  # "tensor" is __getitem__'s
         except Exception as exc:
             raise self._undecodable(index, exc) from exc
 
