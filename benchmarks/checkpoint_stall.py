@@ -2,7 +2,7 @@
 
 One process, no process group: a model of ``--params`` million float32
 parameters (square linear layers) and its SGD-with-momentum state, over 100 MB
-together, saved as step checkpoints by ``CheckpointManager.save_step`` into a
+together, saved as step checkpoints by ``CheckpointManager.checkpoint("step")`` into a
 temporary directory. (a) A synchronous save (``block=True``): the call returns
 once the file is written, fsynced and renamed. (b) A background save
 (``block=False``): the call returns once the state is copied to host memory
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit import CheckpointManager, Position
+from ddpkit import CheckpointManager, Position, TrainingState
 
 TARGET = 0.25
 WIDTH = 2048  # each layer: WIDTH x WIDTH weights and WIDTH biases
@@ -67,9 +67,10 @@ def _timed_save(
     block: bool,
 ) -> tuple[float, float]:
     """Seconds the call blocked, and seconds until the file was written."""
-    position = Position(epoch=0, batches=step, samples=step, step=step, world_size=1)
+    assert manager.state is not None
+    manager.state.advance(Position(epoch=0, batches=step, samples=step, step=step, world_size=1))
     start = time.perf_counter()
-    manager.save_step(position, model, optimizer, block=block)
+    manager.checkpoint("step", block=block)
     blocked = time.perf_counter() - start
     manager.wait()  # the background write finishes here, outside the timed call
     return blocked, time.perf_counter() - start
@@ -96,7 +97,8 @@ def main() -> None:
     blocked: list[float] = []
     background: list[float] = []
     with tempfile.TemporaryDirectory(prefix="ddpkit-checkpoint-stall-", dir=args.dir) as tmp:
-        manager = CheckpointManager(tmp, prefix="bench", keep_steps=2)
+        state = TrainingState(model, optimizer)
+        manager = CheckpointManager(tmp, prefix="bench", keep_steps=2, state=state)
         step = 1
         _timed_save(manager, model, optimizer, step, True)  # untimed: it makes the directory
         step += 1

@@ -3,20 +3,20 @@
 :class:`CheckpointManager` owns one run's files (``manager``): it takes the
 training state once (:class:`TrainingState`, ``state``) and saves epoch and
 step checkpoints, ``interrupted.pth`` on a stop, per-epoch weight files and
-``best.pth``. Underneath, each file is
-written atomically with CRCs and loads with ``torch.load(weights_only=True)``
-(``serialization``); a save copies the state to host memory and one writer
-thread writes it (``background``); ``files`` names, scans and prunes a run's
-directory; on resume the ranks agree on the newest complete checkpoint any of
-them holds (``sync``) and send it to those that lack it (``transfer``)::
+``best.pth``; ``cadence`` says when. Each file is written atomically with
+CRCs and loads with ``torch.load(weights_only=True)`` (``serialization``); a
+save copies the state to host memory and one writer thread writes it
+(``background``); ``files`` names, scans and prunes a run's directory; on
+resume the ranks agree on the newest complete checkpoint any of them holds
+(``sync``) and send it to those that lack it (``transfer``)::
 
     from ddpkit.checkpoint import CheckpointManager, TrainingState
 
     manager = CheckpointManager("runs/exp1", every_steps=500,
                                 state=TrainingState(model, optimizer, scheduler))
     start = manager.resume()                   # the newest complete checkpoint, if any
-    ...
-    manager.save(epoch, metrics={"acc1": acc1})  # the bound objects, nothing else
+    ...  # StepGuard advances the state's progress; then the one save verb:
+    manager.checkpoint("epoch", metrics={"acc1": acc1})  # the bound state, as it is
 
 :func:`save_checkpoint` / :func:`load_checkpoint` are the single-file
 primitives for a loop of your own.

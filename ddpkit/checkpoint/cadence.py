@@ -1,22 +1,23 @@
-"""How often a run takes a step checkpoint: every so many optimizer steps, or minutes.
+"""When a run saves: every so many optimizer steps, every so many minutes, each epoch's end.
 
-:class:`SaveCadence` is the whole rule, and :class:`CheckpointManager` applies
-it with its own clock (``manager.step_due(step)``, ``manager.time_due()``;
-the clock restarts at each save of any kind).
-:class:`ddpkit.distributed.stops.StepControl` asks the manager after each
-optimizer step, so every rank saves after the same one: the step count is the
-same on every rank, so each decides it alone; the minutes are read on rank
-0's clock and agreed through the store. An epoch's end always saves, and a
-stop (a signal) saves ``interrupted.pth``.
+The whole cadence is here. :class:`SaveCadence` is the rule (what the user
+asked), :class:`SaveClock` applies it to a run: the time since the last save
+of any kind (the ``CheckpointManager`` restarts it at each save) and the
+decision after each optimizer step. The step count is the same on every rank,
+so each decides ``every_steps`` alone; ``every_minutes`` is read on rank 0's
+clock and agreed by :class:`ddpkit.distributed.stops.StepControl`, which only
+agrees. An epoch's end always saves its own checkpoint, so no step
+checkpoint follows an epoch's last batch; a stop saves ``interrupted.pth``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ddpkit._numbers import positive_seconds
 
-__all__ = ["SaveCadence"]
+__all__ = ["SaveCadence", "SaveClock"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,3 +51,35 @@ class SaveCadence:
     def time_due(self, seconds_since_save: float) -> bool:
         """Whether ``every_minutes`` asks for a save, this long after the last one."""
         return self.every_minutes is not None and seconds_since_save >= self.every_minutes * 60.0
+
+
+class SaveClock:
+    """A run's cadence and the clock of its last save: whether a step checkpoint falls now.
+
+    Attributes:
+        cadence: the rule.
+    """
+
+    def __init__(self, cadence: SaveCadence) -> None:
+        self.cadence = cadence
+        self._last = time.monotonic()
+
+    def restart(self) -> None:
+        """A save of any kind was taken: ``every_minutes`` counts from now."""
+        self._last = time.monotonic()
+
+    def due(self, step: int, *, timed: bool) -> tuple[bool, bool]:
+        """After optimizer step ``step``: (``every_steps`` says save, ``every_minutes`` says save).
+
+        ``timed``: read this rank's clock (rank 0's is the one the ranks agree on); else False.
+        """
+        late = timed and self.cadence.time_due(time.monotonic() - self._last)
+        return self.cadence.step_due(step), late
+
+    @staticmethod
+    def step_checkpoint(agreed: bool, last: bool) -> bool:
+        """Whether an agreed save after a step is written: not after an epoch's last batch.
+
+        The epoch's own checkpoint follows that batch, always.
+        """
+        return agreed and not last

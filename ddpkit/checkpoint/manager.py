@@ -15,7 +15,6 @@ import functools
 import logging
 import math
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,10 @@ from torch import nn
 
 from ddpkit import _graveyard
 from ddpkit.checkpoint.background import BackgroundWriter, snapshot
-from ddpkit.checkpoint.cadence import SaveCadence
+from ddpkit.checkpoint.cadence import SaveCadence, SaveClock
 from ddpkit.checkpoint.files import FORMAT, INTERRUPTED, LATEST, VERSION, step_name, write_files
 from ddpkit.checkpoint.outcomes import describe_error, raise_earlier_failure, share_outcome
-from ddpkit.checkpoint.restore import restore_state
+from ddpkit.checkpoint.restore import Restored, restore_state
 from ddpkit.checkpoint.serialization import MapLocation, check_saveable
 from ddpkit.checkpoint.state import TrainingState
 from ddpkit.checkpoint.sync import claim_directory, load_newest, next_generation
@@ -58,13 +57,13 @@ class CheckpointManager:
     ``best.pth``, a hard link to (or copy of) the best epoch's weights.
 
     What a checkpoint holds is one :class:`~ddpkit.checkpoint.TrainingState`,
-    bound once (``state=`` or :meth:`bind`): the objects, the position, this
-    rank's running totals and ``extra``. Every save goes through
-    :meth:`checkpoint`, which records the bound state as it is; :meth:`save`
-    (an epoch's end) and :meth:`save_step` (a position in an epoch) set the
-    position first. The manager also owns when a step checkpoint is due
-    (``every_steps``, ``every_minutes``: :meth:`step_due`, :meth:`time_due`),
-    and its clock restarts at every save of any kind.
+    bound once (``state=`` or :meth:`bind`): the objects, the run's progress
+    (position, this rank's running totals, its place in a stream) and
+    ``extra``. There is one save verb, :meth:`checkpoint` ``(kind)``, which
+    records the bound state as it is (``save`` and ``save_step`` are 0.1's
+    forms, deprecated). The manager holds the run's save cadence
+    (``every_steps``, ``every_minutes``) and the clock of its last save
+    (:attr:`clock`, restarted at every save of any kind); ``StepGuard`` asks it.
 
     Rank 0 writes the files; with ``on_each_node`` the first rank of every node
     writes its own copy too, so a lost disk loses nothing. The directory may
@@ -72,7 +71,7 @@ class CheckpointManager:
     any rank holds and sends it over the process group to those that lack it.
     A fresh run refuses a directory that holds another run's files, unless ``overwrite``.
 
-    :meth:`checkpoint`, :meth:`save`, :meth:`save_step` and :meth:`resume` are
+    :meth:`checkpoint`, :meth:`flush` and :meth:`resume` are
     collectives: all ranks must call them, or they deadlock. With plain DDP
     every rank holds the same model and optimizer state; sharded optimizers
     are not supported.
@@ -83,9 +82,9 @@ class CheckpointManager:
         keep_last: how many per-epoch weight files to keep, at least 1.
         keep_steps: how many step checkpoints to keep, at least 1.
         every_steps: a step checkpoint is due every this many optimizer
-            steps (:meth:`step_due`); None: only at epoch ends.
+            steps; None: only at epoch ends.
         every_minutes: a step checkpoint is due when this many minutes passed
-            since the last save (:meth:`time_due`); None: never by time. Both
+            since the last save (rank 0's clock); None: never by time. Both
             are held as ``cadence`` (:class:`~ddpkit.checkpoint.cadence.SaveCadence`).
         on_each_node: the first rank of each node writes its own copy.
         overwrite: a fresh run deletes another run's files in ``directory``; False: refuse.
@@ -98,15 +97,14 @@ class CheckpointManager:
 
     Attributes:
         state: the bound :class:`~ddpkit.checkpoint.TrainingState`, or None.
-        cadence: the rule :meth:`step_due` and :meth:`time_due` apply.
+        cadence: when step checkpoints fall (:class:`~ddpkit.checkpoint.cadence.SaveCadence`).
+        clock: the cadence applied, on the clock of the last save
+            (:class:`~ddpkit.checkpoint.cadence.SaveClock`).
         best_acc1: the best ``acc1`` saved so far (restored by :meth:`resume`), or None.
-        position: where the resumed checkpoint stood (:meth:`resume`), or None.
         resumed_from: the file :meth:`resume` loaded (on the rank that read it), or None.
-        loop: every rank's running totals stored with the resumed checkpoint
-            (a list, one entry per rank that saved it), or None.
-        loader_states: every rank's training loader state stored with the
-            resumed checkpoint (a list, one per rank that saved it; None
-            entries for a loader without one), or None.
+        resumed: what the resumed checkpoint held beyond the bound state's
+            pieces (:class:`~ddpkit.checkpoint.restore.Restored`: every rank's
+            totals and stream places as saved, its ``extra``), or None.
         resumed_extra: the resumed checkpoint's ``extra`` (this manager's and its save's).
         latest_path: ``directory / "latest.pth"``.
         interrupted_path: ``directory / "interrupted.pth"``.
@@ -117,7 +115,8 @@ class CheckpointManager:
         >>> start = manager.resume()
         >>> for epoch in range(start, epochs):
         ...     train_one_epoch(...)
-        ...     manager.save(epoch, metrics=evaluate(model, val))
+        ...     state.end_epoch(epoch, world_size)
+        ...     manager.checkpoint("epoch", metrics=evaluate(model, val))
     """
 
     def __init__(
@@ -142,6 +141,7 @@ class CheckpointManager:
             if type(count) is not int or count < 1:
                 raise ValueError(f"{name} must be at least 1, got {count!r}")
         self.cadence = SaveCadence(every_steps=every_steps, every_minutes=every_minutes)
+        self.clock = SaveClock(self.cadence)
         if not prefix or "/" in prefix or os.sep in prefix:
             raise ValueError(f"prefix must be a file name prefix without '/', got {prefix!r}")
         self.directory = Path(directory)
@@ -155,19 +155,16 @@ class CheckpointManager:
         self.interrupted_path = self.directory / INTERRUPTED
         self.best_acc1: float | None = None
         self._best_epoch: int | None = None
-        self.position: Position | None = None
         self.resumed_from: Path | None = None
         self.resumed_checkpoint: str | None = None  # the same on every rank, for messages
-        self.loop: list[Any] | None = None
-        self.loader_states: list[Any] | None = None
+        self.resumed: Restored | None = None
         self.resumed_extra: dict[str, Any] = {}
         self._generation: int | None = None
-        self._step = 0
         self._latest_damaged = False
+        self._saves = self._flushed = 0  # checkpoint() calls, and how many flush() covered
         self._writer = BackgroundWriter()
         # The host copy of the last background save, written into by the next one.
         self._spare: Any = None
-        self._last_save = time.monotonic()  # the clock of every_minutes
 
     @property
     def network(self) -> str:
@@ -176,34 +173,14 @@ class CheckpointManager:
         return self.prefix
 
     @property
-    def every_steps(self) -> int | None:
-        """``cadence.every_steps``: a step checkpoint every this many optimizer steps."""
-        return self.cadence.every_steps
-
-    @property
-    def every_minutes(self) -> float | None:
-        """``cadence.every_minutes``: a step checkpoint when this many minutes passed."""
-        return self.cadence.every_minutes
+    def position(self) -> Position | None:
+        """Where the resumed checkpoint stood, or None (the run's progress is the state's)."""
+        return self.resumed.position if self.resumed is not None else None
 
     @property
     def write_error(self) -> BaseException | None:
         """The error of a background write that failed on this rank, until it is raised."""
         return self._writer.error
-
-    def step_due(self, step: int) -> bool:
-        """Whether ``every_steps`` asks for a step checkpoint after optimizer step ``step``.
-
-        The same answer on every rank (the step count is), so each asks alone.
-        """
-        return self.cadence.step_due(step)
-
-    def time_due(self) -> bool:
-        """Whether ``every_minutes`` passed on this rank's clock since the manager's last save.
-
-        Ranks' clocks differ: ask on one rank and share the answer
-        (:class:`ddpkit.distributed.stops.StepControl` asks rank 0's).
-        """
-        return self.cadence.time_due(time.monotonic() - self._last_save)
 
     def bind(self, state: TrainingState) -> None:
         """Take the state every later save and resume records and restores; once per run.
@@ -215,10 +192,10 @@ class CheckpointManager:
             raise TypeError(f"bind() takes a TrainingState, got {type(state).__name__}")
         self.state = state
 
-    def _bound(self, call: str, given: dict[str, Any]) -> TrainingState:
+    def _bound(self, call: str, given: dict[str, Any], warn: bool = True) -> TrainingState:
         """The bound state; objects passed one by one (0.1's way) are bound, with a warning."""
         passed = {name: obj for name, obj in given.items() if obj is not None}
-        if passed:
+        if passed and warn:
             names = ", ".join(passed)
             _graveyard.deprecated(
                 f"CheckpointManager.{call}({names}) with the objects one by one",
@@ -226,6 +203,7 @@ class CheckpointManager:
                 f"manager.bind(TrainingState(...)) once, then {call}() without them",
                 stacklevel=4,
             )
+        if passed:
             if "model" in passed:  # save(epoch, model, optimizer, ...): bound, as 0.1 did
                 pieces = {k: v for k, v in given.items() if k != "model"}
                 self.bind(TrainingState(given["model"], **pieces))
@@ -239,77 +217,47 @@ class CheckpointManager:
         return self.state
 
     def save(
-        self,
-        epoch: int,
-        model: nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Any = None,
-        scaler: Any = None,
-        *,
-        metrics: Mapping[str, Any] | None = None,
-        extra: Mapping[str, Any] | None = None,
-        step: int | None = None,
-        block: bool = True,
-        ema: nn.Module | None = None,
+        self, epoch: int, *objects: Any, step: int | None = None, **options: Any
     ) -> Path | None:
-        """Save the state after ``epoch``. All ranks must call this, or it deadlocks.
+        """Deprecated (0.1): ``state.end_epoch(epoch, world, step)``, then ``checkpoint("epoch")``.
 
-        Sets the bound state's position to the start of epoch ``epoch + 1``
-        (after ``step`` optimizer steps), then :meth:`checkpoint` ``("epoch")``.
-        Pass the same ``metrics`` on every rank (``ddpkit.evaluate``'s are).
-
-        Args:
-            epoch: the epoch just finished.
-            model, optimizer, scheduler, scaler, ema: deprecated: the objects one
-                by one, as in ddpkit 0.1 (bound with a ``DeprecationWarning``).
-            metrics, extra, block: as in :meth:`checkpoint`.
-            step: optimizer steps taken so far; default: the bound position's
-                step if it is later than the last one saved, else the last one.
-
-        Returns:
-            The path of ``latest.pth`` on the ranks that write, None on the others.
+        ``objects`` (model, optimizer, scheduler, scaler; ``ema=`` too) are
+        bound, as 0.1 did; ``options`` are :meth:`checkpoint`'s. Removed in 0.3.
         """
-        state = self._bound("save", _objects(model, optimizer, scheduler, scaler, ema))
-        step = max(self._step, state.position.step) if step is None else step
-        state.position = Position(epoch + 1, 0, 0, step, get_world_size())
-        return self.checkpoint("epoch", metrics=metrics, extra=extra, block=block)
+        _graveyard.deprecated(
+            "CheckpointManager.save(epoch, ...)",
+            "manager.checkpoint('epoch') after state.end_epoch(epoch, world_size) "
+            "(StepGuard.end_epoch does both)",
+        )
+        self._bound("save", _objects(objects, options), False).end_epoch(
+            epoch, get_world_size(), step
+        )
+        return self.checkpoint("epoch", **options)
 
     def save_step(
         self,
         position: Position,
-        model: nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        scheduler: Any = None,
-        scaler: Any = None,
-        *,
+        *objects: Any,
         kind: str = "step",
         loop: Any = None,
-        extra: Mapping[str, Any] | None = None,
-        block: bool = True,
-        ema: nn.Module | None = None,
+        **options: Any,
     ) -> Path | None:
-        """Save the state in the middle of an epoch, at ``position``. All ranks must call this.
+        """Deprecated (0.1): ``state.advance(position, loop=...)``, then ``checkpoint(kind)``.
 
-        Sets the bound state's position (and, when given, its ``loop``), then
-        :meth:`checkpoint` ``(kind)``.
-
-        Args:
-            position: where training stands (its ``step`` names the file).
-            model, optimizer, scheduler, scaler, ema: deprecated, as in :meth:`save`.
-            kind: ``"step"`` (``step-<n>.pth``) or ``"interrupted"`` (``interrupted.pth``).
-            loop: this rank's running totals; None: the bound state's ``loop``.
-            extra, block: as in :meth:`checkpoint`.
-
-        Returns:
-            The file's path on the ranks that write, None on the others.
+        ``kind`` is ``"step"`` or ``"interrupted"``; ``loop`` None keeps the
+        state's; ``objects`` and ``options`` as in :meth:`save`. Removed in 0.3.
         """
+        _graveyard.deprecated(
+            "CheckpointManager.save_step(position, ...)",
+            "manager.checkpoint('step') after state.advance(position, loop=...) "
+            "(StepGuard.after_step does both)",
+        )
         if kind not in ("step", "interrupted"):
             raise ValueError(f"kind must be 'step' or 'interrupted', got {kind!r}")
-        state = self._bound("save_step", _objects(model, optimizer, scheduler, scaler, ema))
-        state.position = position
-        if loop is not None:
-            state.loop = loop
-        return self.checkpoint(kind, extra=extra, block=block)
+        state = self._bound("save_step", _objects(objects, options), False)
+        held = state.loop if loop is None else loop
+        state.advance(position, loop=held, loader_state=state.loader_state)
+        return self.checkpoint(kind, **options)
 
     def checkpoint(
         self,
@@ -395,7 +343,6 @@ class CheckpointManager:
             and (self.best_acc1 is None or acc1 > self.best_acc1)
         )
         best = (acc1, epoch) if improved else (self.best_acc1, self._best_epoch)
-        self._step = max(self._step, position.step)
         path: Path | None = None
         error: BaseException | None = None
         gather = self.on_each_node and get_world_size() > 1
@@ -433,10 +380,11 @@ class CheckpointManager:
                 # The last copy's write is done (joined above): its host memory is reused.
                 self._spare = snapshot(record, reuse=self._spare)
                 self._writer.submit(functools.partial(self._write, self._spare, improved))
+        self._saves += 1
         if block:
             share_outcome(error, kind)
         self.best_acc1, self._best_epoch = best
-        self._last_save = time.monotonic()  # every_minutes counts from the last save, any kind
+        self.clock.restart()  # every_minutes counts from the last save, any kind
         return path
 
     @property
@@ -454,12 +402,16 @@ class CheckpointManager:
     def flush(self) -> None:
         """Wait for every rank's background write; if one failed, raise on every rank.
 
-        All ranks must call this, or it deadlocks.
+        All ranks must call this, or it deadlocks. Nothing to do (and no
+        collective) when no checkpoint was taken since the last flush.
 
         Raises:
             CheckpointError: (or the write's own error, on its rank) a write failed.
         """
         self._writer.join()
+        if self._flushed == self._saves:
+            return
+        self._flushed = self._saves
         self._spare = None  # the end of training: the host copy is not needed any more
         failed = self._writer.error
         reports = all_gather_object(describe_error(failed))
@@ -500,10 +452,10 @@ class CheckpointManager:
         (epoch, step or interrupted) in any rank's directory; its holders load
         it, checking every CRC, and one sends it to the others. A damaged file
         is skipped, with a warning, for the next newest. Restores the bound
-        state's objects and position (and, on the number of ranks that saved
-        it, its ``loop``: this rank's totals), this rank's RNG state,
-        :attr:`best_acc1`, :attr:`position` and :attr:`loop`. All ranks must
-        call this, or it deadlocks.
+        state's objects and progress (its position; on the number of ranks
+        that saved it, this rank's totals and stream place), this rank's RNG
+        state, :attr:`best_acc1` and :attr:`resumed`. All ranks must call
+        this, or it deadlocks.
 
         Args:
             model, optimizer, scheduler, scaler, ema: deprecated, as in :meth:`save`;
@@ -517,8 +469,8 @@ class CheckpointManager:
 
         Returns:
             The epoch to start in: the saved epoch + 1 after an epoch
-            checkpoint, the epoch in progress after a step checkpoint (see
-            :attr:`position` for how far into it), 0 when there is none.
+            checkpoint, the epoch in progress after a step checkpoint (the
+            state's ``position`` says how far into it), 0 when there is none.
 
         Raises:
             CheckpointError: no checkpoint is loadable, ``path`` is none on any rank (said what
@@ -528,14 +480,15 @@ class CheckpointManager:
         Example:
             >>> start_epoch = manager.resume()
         """
-        training = self._bound("resume", _objects(model, optimizer, scheduler, scaler, ema))
+        given = {"scheduler": scheduler, "scaler": scaler, "ema": ema}
+        training = self._bound("resume", {"model": model, "optimizer": optimizer, **given})
         self._writer.join()
         agreed = load_newest(self.directory, Path(path) if path is not None else None, map_location)
         self._latest_damaged = agreed.latest_damaged
         self.resumed_from, self.resumed_checkpoint = agreed.file, None
         if agreed.state is None or agreed.found is None:
             self._generation = agreed.generation + 1
-            self.position = None
+            self.resumed = None
             return 0
         self.resumed_checkpoint = str(path or self.directory / agreed.found.name)
         restored = restore_state(
@@ -546,38 +499,33 @@ class CheckpointManager:
             where=self.resumed_checkpoint,
             expected=self.extra,
         )
-        self.position, self.loop = restored.position, restored.loop
-        self.resumed_extra = restored.extra or {}
+        self.resumed, self.resumed_extra = restored, restored.extra or {}
         self.best_acc1, self._best_epoch = restored.best_acc1, restored.best_epoch
-        self._step = self.position.step
-        training.position = self.position
-        same = self.loop is not None and len(self.loop) == get_world_size()
-        mine = self.loop[get_rank()] if same and self.loop is not None else None
-        training.loop = dict(mine) if isinstance(mine, dict) else {}
-        self.loader_states = restored.loader
-        same = self.loader_states is not None and len(self.loader_states) == get_world_size()
-        training.loader_state = (
-            self.loader_states[get_rank()] if same and self.loader_states else None
+        rank, world = get_rank(), get_world_size()
+        loop, loader = restored.loop or [], restored.loader or []
+        mine = loop[rank] if len(loop) == world else None
+        training.advance(
+            restored.position,
+            loop=mine if isinstance(mine, dict) else None,
+            loader_state=loader[rank] if len(loader) == world else None,
         )
         # An explicit file may be older than the newest: what follows is a new line of saves.
         self._generation = agreed.generation + 1 if path is not None else agreed.found.generation
-        self._last_save = time.monotonic()
+        self.clock.restart()
         if get_rank() == 0:
             logger.info(
                 "resuming from %s (read on rank %d)", agreed.found.describe(), agreed.source
             )
-        return self.position.epoch
+        return restored.position.epoch
 
 
-def _objects(model: Any, optimizer: Any, scheduler: Any, scaler: Any, ema: Any) -> dict[str, Any]:
-    """The objects a call of ddpkit 0.1's form passed one by one, by field name."""
-    return {
-        "model": model,
-        "optimizer": optimizer,
-        "scheduler": scheduler,
-        "scaler": scaler,
-        "ema": ema,
-    }
+def _objects(objects: tuple[Any, ...], options: dict[str, Any]) -> dict[str, Any]:
+    """The objects a call of ddpkit 0.1's form passed (positional or by name), by field name."""
+    given = dict(zip(_PIECES, objects, strict=False))
+    return {name: given.get(name, options.pop(name, None)) for name in (*_PIECES, "ema")}
+
+
+_PIECES = ("model", "optimizer", "scheduler", "scaler")
 
 
 def _loader_state(state: Any) -> tuple[Any, str | None]:

@@ -4,14 +4,14 @@ The model and the objects that train it (optimizer, scheduler, GradScaler,
 the model's average), where training stands (:class:`~ddpkit.position.Position`),
 this rank's running totals of the epoch and what else every checkpoint
 records (``extra``) are one object, given to the ``CheckpointManager`` once.
-A loop keeps this one object current (``fit`` does it after every optimizer
-step); every save and resume reads and loads it here. A new piece of state
-(a second optimizer, a loader with a state of its own) is a new field of this
-class and nothing else.
+The run's progress (position, totals, stream place) lives here only, written
+by :meth:`TrainingState.advance`. A new piece of state (a second optimizer, a
+loader with a state of its own) is a new field of this class and nothing else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -84,6 +84,28 @@ class TrainingState:
     loop: dict[str, Any] = field(default_factory=dict)
     loader_state: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def advance(
+        self,
+        position: Position,
+        *,
+        loop: Mapping[str, Any] | None = None,
+        loader_state: Any = None,
+    ) -> None:
+        """Move the run's progress to ``position``: the one writer of the progress fields.
+
+        ``loop`` (this rank's totals) and ``loader_state`` (its stream place) go
+        with it: a step that saves gives them, others leave them empty.
+        """
+        self.position = position
+        self.loop = dict(loop) if loop is not None else {}
+        self.loader_state = loader_state
+
+    def end_epoch(self, epoch: int, world_size: int, step: int | None = None) -> None:
+        """Advance to the next epoch's start; step count (or ``step``) and data identity kept."""
+        p = self.position
+        step = p.step if step is None else step
+        self.advance(Position(epoch + 1, 0, 0, step, world_size, p.data_size, p.data_digest))
 
     def pieces(self) -> dict[str, Any]:
         """Every object but the model, by field name (None where there is none).

@@ -210,11 +210,12 @@ def no_sync(
         ``DistributedDataParallel.no_sync()`` for a DDP model, else
         ``contextlib.nullcontext()``.
 
+    ``ddpkit.StepGuard.forward`` uses it for every micro-batch of a window but the last.
+
     Example:
         >>> for i, (x, y) in enumerate(micro_batches):
         ...     with no_sync(model, enabled=i < len(micro_batches) - 1):
         ...         (criterion(model(x), y) / len(micro_batches)).backward()
-        >>> optimizer.step()
     """
     ddp = None
     if enabled and isinstance(model, nn.Module):

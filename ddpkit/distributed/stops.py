@@ -11,21 +11,23 @@ with :data:`PREEMPTED_EXIT_CODE` once the checkpoint is written.
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
-from ddpkit.distributed.comm import all_reduce_sum
+import torch.distributed as dist
+
+from ddpkit.distributed.comm import all_gather_object, all_reduce_sum
 
 __all__ = [
     "HANG_EXIT_CODE",
     "PREEMPTED_EXIT_CODE",
     "Actions",
-    "Cadence",
     "HangStopped",
     "Preempted",
     "SignalStopped",
@@ -114,22 +116,6 @@ class SignalStopped(SystemExit):
         return SignalStopped, (int(self.code) - 128,)  # type: ignore[arg-type]
 
 
-class Cadence(Protocol):
-    """What :class:`StepControl` asks of whoever owns the save cadence and its clock.
-
-    ``ddpkit.CheckpointManager`` is one: its rule (``every_steps``,
-    ``every_minutes``) and its clock, which restarts at each of its saves.
-    """
-
-    def step_due(self, step: int) -> bool:
-        """Whether to save after optimizer step ``step``; the same answer on every rank."""
-        ...
-
-    def time_due(self) -> bool:
-        """Whether enough time passed since the last save, on this rank's clock (rank 0's asked)."""
-        ...
-
-
 @dataclass(frozen=True)
 class Stop:
     """Why the ranks stop: a signal, or an error one rank met (a failed checkpoint write)."""
@@ -169,11 +155,9 @@ class StepControl:
         store: the c10d store every rank shares, under a prefix of this run.
         rank: this rank.
         world_size: ranks in the job.
-        cadence: who says when to save between steps (a ``CheckpointManager``,
-            or anything with the two methods of :class:`Cadence`):
-            ``step_due(step)`` is decided by every rank alone, ``time_due()`` on
-            rank 0's clock and agreed through the store. None: no saves between
-            steps but a stop's.
+
+    When to save is not decided here (``ddpkit.checkpoint.cadence`` decides):
+    :meth:`after_step` is told what each rank's cadence says and agrees on it.
     """
 
     def __init__(
@@ -183,12 +167,10 @@ class StepControl:
         store: Any = None,
         rank: int = 0,
         world_size: int = 1,
-        cadence: Cadence | None = None,
     ) -> None:
         self._signals = [_signal_number(s) for s in signals]
         self._store: Any = store if world_size > 1 else None
         self._rank = rank
-        self._cadence = cadence
         self._asked: int | None = None  # the step of the timed save rank 0 posted, until taken
         self._previous: dict[int, Any] = {}
         self._signal: str | None = None
@@ -199,6 +181,17 @@ class StepControl:
         self._stop_at: int | None = None
         self._stop: Stop | None = None
         self._saves: set[int] = set()
+
+    @staticmethod
+    def shared_store(world_size: int, rank: int) -> Any:
+        """The store every rank shares, under a prefix new to this run; None on one rank.
+
+        One collective: all ranks must call it, or it deadlocks.
+        """
+        if world_size <= 1 or not dist.is_initialized():
+            return None
+        token = all_gather_object(secrets.token_hex(8) if rank == 0 else None)[0]
+        return dist.PrefixStore(f"ddpkit/fit/{token}/", dist.distributed_c10d._get_default_store())
 
     def __enter__(self) -> StepControl:
         if threading.current_thread() is threading.main_thread():
@@ -229,29 +222,27 @@ class StepControl:
         if self._error is None:
             self._error = error
 
-    def after_step(self, step: int) -> Actions:
+    def after_step(self, step: int, *, counted: bool = False, timed: bool = False) -> Actions:
         """Call on every rank after optimizer step ``step`` (1, 2, ... over the run).
 
-        Every save between two steps is decided here: the cadence's steps, its
-        minutes (agreed), and the stop a signal or a failed write asks for. The
-        answer is the same on every rank.
+        ``counted``: this rank's cadence asks for a save after this step (a
+        step count, the same on every rank). ``timed``: rank 0's clock asks for
+        one (the other ranks' word is not read); it is agreed through the store
+        and taken a step later. A stop a signal or a failed write asks for is
+        agreed the same way. The answer is the same on every rank.
         """
-        counted = self._cadence is not None and self._cadence.step_due(step)
         if self._store is None:
-            return Actions(save=counted or self._time_due(), stop=self.requested)
+            return Actions(save=counted or timed, stop=self.requested)
         mine = self.requested
         if mine is not None and not self._posted:
             self._post(f"stop|{step + 1}|{mine.kind}|{mine.detail}")
             self._posted = True
-        if self._rank == 0 and (self._asked is None or step > self._asked) and self._time_due():
+        if self._rank == 0 and timed and (self._asked is None or step > self._asked):
             # Asked once: the cadence's clock restarts when the save is taken, a step later.
             self._asked = step + 1
             self._post(f"save|{step + 1}")
         self._read()
         return Actions(save=counted or step in self._saves, stop=self._stop_now(step))
-
-    def _time_due(self) -> bool:
-        return self._cadence is not None and self._cadence.time_due()
 
     def stop_at_epoch_end(self) -> Stop | None:
         """Whether any rank wants to stop now, at an epoch's end. All ranks must call this.

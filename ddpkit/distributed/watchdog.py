@@ -29,11 +29,12 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from ddpkit._numbers import positive_seconds
 from ddpkit.distributed.child import note_exit
@@ -41,6 +42,8 @@ from ddpkit.distributed.comm import get_rank, get_world_size, is_dist_initialize
 from ddpkit.distributed.deadline import BoundedCalls, DeadlinePassed
 from ddpkit.distributed.hang_report import answer, render, write_report
 from ddpkit.distributed.heartbeat import UNTIMED_PHASES, Heartbeat, Judge, where
+from ddpkit.distributed.job import restore_environ
+from ddpkit.distributed.recorder import point_dumps
 from ddpkit.distributed.stops import HANG_EXIT_CODE
 
 __all__ = ["UNTIMED_PHASES", "HangWatchdog", "format_stacks"]
@@ -162,6 +165,8 @@ class HangWatchdog:
         self._thread: threading.Thread | None = None
         self._report_dir = None if report_dir is None else os.fspath(report_dir)
         self._signal = report_signal
+        self._started: set[int] = set()  # loaders whose persistent workers run
+        self._environ: Any = ()  # what point_dumps set, put back by stop()
         self._asked = threading.Event()  # the report signal arrived here
         self._answered = 0  # the last report request this rank answered
         self._previous_handler: Any = None
@@ -194,6 +199,44 @@ class HangWatchdog:
         """
         self._heartbeat.progress(step, phase)
 
+    def watch(
+        self,
+        loader: Any,
+        batches: Iterable[Any],
+        step: Callable[[], int],
+        waiting: str = "data",
+        busy: str = "compute",
+    ) -> Iterator[Any]:
+        """``batches`` (of ``loader``), with :meth:`progress` told when this rank waits for them.
+
+        ``waiting`` before each batch, ``busy`` once it is here, at ``step()``.
+        A ``DataLoader`` starts its workers in ``iter()``, and batch ``k`` comes
+        from worker ``k``: until one batch came from each worker (each
+        imported, ran its ``worker_init_fn``, fetched), the phase is
+        ``"start_" + waiting``; after the last batch of workers that are not
+        persistent, while the iterator joins them, ``"end_" + waiting``.
+        Neither is timed.
+        """
+        starting = self._starts_workers(loader)
+        ending = _ending_workers(loader)
+        self.progress(step(), f"start_{waiting}" if starting else waiting)
+        for count, batch in enumerate(batches, 1):
+            self.progress(step(), busy)
+            yield batch
+            phase = "start_" if count < starting else "end_" if count == ending else ""
+            self.progress(step(), phase + waiting)
+        self.progress(step(), busy)  # what follows the last batch is the work
+
+    def _starts_workers(self, loader: Any) -> int:
+        """How many workers iterating ``loader`` starts (persistent ones start once)."""
+        if not isinstance(loader, DataLoader) or loader.num_workers == 0:
+            return 0
+        if loader.persistent_workers:
+            if id(loader) in self._started:
+                return 0
+            self._started.add(id(loader))
+        return loader.num_workers
+
     def start(self) -> HangWatchdog:
         """Start the watchdog thread and return the watchdog.
 
@@ -208,6 +251,8 @@ class HangWatchdog:
             self._rank = get_rank() if self._rank is None else self._rank
             self._world = get_world_size() if self._world is None else self._world
             self._backend = str(dist.get_backend())
+            if self._report_dir is not None and self._backend == "nccl":
+                self._environ = point_dumps(self._report_dir)  # NCCL's own dump on a timeout
         if self._signal is not None and threading.current_thread() is threading.main_thread():
             number = getattr(signal, self._signal)
             self._previous_handler = signal.signal(number, lambda *_: self._asked.set())
@@ -226,6 +271,8 @@ class HangWatchdog:
     def stop(self) -> None:
         """Stop watching; safe to call again. Returns within about 2 s."""
         self._stop.set()
+        restore_environ(self._environ)
+        self._environ = ()
         if self._previous_handler is not None:
             with contextlib.suppress(ValueError):  # not the main thread: leave it
                 signal.signal(getattr(signal, str(self._signal)), self._previous_handler)
@@ -419,6 +466,16 @@ class HangWatchdog:
         ending.set()
         atexit.unregister(hold)
         backstop.cancel()
+
+
+def _ending_workers(loader: Any) -> int | None:
+    """After which batch a ``DataLoader``'s iterator stops its workers; None: never, or unknown."""
+    if not isinstance(loader, DataLoader) or loader.num_workers == 0 or loader.persistent_workers:
+        return None
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without a length
+        return None
 
 
 def _collective_count() -> Callable[[], int | None]:

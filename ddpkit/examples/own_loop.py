@@ -1,15 +1,19 @@
 """The seed recipe's training loop written by hand, with ddpkit's blocks and no ``fit``.
 
-The forward, ``backward()`` and ``optimizer.step()`` are this file's own lines;
-ddpkit adds what a long job needs around them: LMDB data safe in DataLoader
-workers, SyncBN and DDP, validation that counts each image once, checkpoints
-that any node resumes bit-exactly, every rank stopping together on SIGTERM,
-and the rest of an epoch after a kill. docs/own-loop.md walks through it
-against the recipe.
+The forward and the loss are this file's own lines; the rest of each step is
+the one call ``fit`` makes too (``guard.backward``): mixed precision, gradient
+accumulation, clipping, the model's average, and the optimizer step. ddpkit
+adds what a long job needs around them: LMDB data safe in DataLoader workers,
+SyncBN and DDP, validation that counts each image once, checkpoints that any
+node resumes bit-exactly, every rank stopping together on SIGTERM, and the
+rest of an epoch after a kill. docs/own-loop.md walks through it against the
+recipe.
 
     python -m ddpkit.examples.own_loop --data DIR --nproc-per-node 2     # 2 processes
     torchrun --nproc-per-node 8 -m ddpkit.examples.own_loop --data DIR   # the launcher's
     python -m ddpkit.examples.own_loop --data DIR --nproc-per-node 2 --resume
+    python -m ddpkit.examples.own_loop --data DIR --amp bf16 --grad-accum-steps 2 \
+        --clip-grad 1.0 --model-ema --model-ema-decay 0.999
 
 ``DIR`` holds ``train.lmdb`` and ``val.lmdb`` (``ddpkit lmdb build``); ``-b`` is
 the global batch of all processes. A stop signal ends it with status 75 once a
@@ -53,39 +57,46 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=args.milestones)
+    ema = ddpkit.model_ema(model, decay=args.model_ema_decay) if args.model_ema else None
     # Everything a checkpoint holds, bound once; the files any node can resume from.
     manager = ddpkit.CheckpointManager(
         args.checkpoints,
-        state=ddpkit.TrainingState(model, optimizer, scheduler),
+        state=ddpkit.TrainingState(model, optimizer, scheduler, ema=ema),
         every_steps=args.save_every_steps,
         every_minutes=args.save_every_minutes,
         extra={"arch": args.arch},
     )
+    # How each step runs: the same options, and the same step, as fit's.
+    config = ddpkit.TrainConfig(
+        amp=args.amp, grad_accum=args.grad_accum_steps, clip_grad_norm=args.clip_grad
+    )
     val: dict[str, Any] = {}
-    # The epochs. The guard resumes, hands out the rest of an epoch, and after each
-    # optimizer step saves when due, or stops every rank together on a signal.
-    with ddpkit.StepGuard(manager) as guard:
+    # The epochs. The guard resumes, hands out the rest of an epoch, takes each optimizer
+    # step, saves when due, stops every rank together on a signal, and at the end of the
+    # block waits until the last checkpoint is on disk.
+    with ddpkit.StepGuard(manager, config=config) as guard:
         first = guard.resume(train_loader) if args.resume else 0
         for epoch in range(first, args.epochs):
             model.train()
             part = guard.batches(train_loader, epoch)  # set_epoch, and where a resume stood
             for images, targets in part:
                 images = ddpkit.normalize_batch(images.to(info.device))  # uint8 -> float
-                loss = criterion(model(images), targets.to(info.device))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                guard.after_step(part)  # a step checkpoint when due; SIGTERM: save, exit 75
+                with guard.forward(part):  # autocast; no all-reduce inside a window
+                    loss = criterion(model(images), targets.to(info.device))
+                guard.backward(loss, part)  # the step when the window closes; SIGTERM: exit 75
             scheduler.step()
             val = ddpkit.evaluate(model, val_loader, criterion=criterion)  # each image once
+            metrics = {"acc1": val["acc1"], "loss": val["loss"]}
+            if ema is not None:  # the weight file holds the better of the two
+                averaged = ddpkit.evaluate(ema.module, val_loader, criterion=criterion)
+                metrics["ema_acc1"] = averaged["acc1"]
             if info.is_main:
                 print(
                     f"epoch {epoch + 1}/{args.epochs}: step {guard.step}, val acc1 "
                     f"{val['acc1']:.2f}%, loss {val['loss']:.4f}",
                     flush=True,
                 )
-            guard.end_epoch(epoch, metrics={"acc1": val["acc1"], "loss": val["loss"]})
-    manager.flush()  # the last checkpoint is on disk on every node that writes
+            guard.end_epoch(epoch, metrics=metrics)
     return val
 
 
@@ -113,6 +124,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.1, help="(0.1)")
     parser.add_argument("--milestones", type=int, nargs="*", default=[30, 60, 80])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--amp", choices=["bf16", "fp16"], help="mixed precision (bf16 on CPUs)")
+    parser.add_argument(
+        "--grad-accum-steps",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="micro-batches per optimizer step: the batch of one step is -b x N (1)",
+    )
+    parser.add_argument(
+        "--clip-grad", type=_above_zero, metavar="NORM", help="clip the gradients' norm to NORM"
+    )
+    parser.add_argument(
+        "--model-ema",
+        action="store_true",
+        help="keep an exponential moving average of the weights, evaluated beside them",
+    )
+    parser.add_argument(
+        "--model-ema-decay",
+        type=_decay,
+        default=0.9998,
+        metavar="D",
+        help="the average's decay per optimizer step, in (0, 1) (0.9998)",
+    )
     parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR")
     parser.add_argument(
         "--save-every-steps",
@@ -149,6 +183,20 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def _above_zero(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
+
+
+def _decay(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must lie between 0 and 1, got {text}")
     return value
 
 

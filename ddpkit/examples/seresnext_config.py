@@ -64,6 +64,7 @@ CHANGES_RESUME = (
     "milestones",
     "warmup_epochs",
     "amp",
+    "grad_accum_steps",
     "clip_grad",
     "model_ema",
     "model_ema_decay",

@@ -305,6 +305,14 @@ def _add_flags(flag: _Adder) -> None:
         "--mixup each batch gets one of the two",
     )
     flag(
+        "--grad-accum-steps",
+        type=_number(int, 1, False),
+        default=1,
+        metavar="N",
+        help="micro-batches per optimizer step: a step's batch is -b x N\n"
+        "(all-reduced once per step)",
+    )
+    flag(
         "--clip-grad",
         type=_number(float, 0, True),
         metavar="NORM",

@@ -140,7 +140,7 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     scheduler = ddpkit.warmup_schedule(
         optimizer,
         epochs=getattr(args, "schedule_epochs", None) or args.epochs,
-        steps_per_epoch=len(train_loader),
+        steps_per_epoch=-(-len(train_loader) // args.grad_accum_steps),  # optimizer steps
         warmup_epochs=args.warmup_epochs,
         decay=args.sched,
         milestones=args.milestones if args.sched == "step" else (),
@@ -176,7 +176,11 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         scheduler=scheduler,
         ema=ema,
         config=ddpkit.TrainConfig(
-            amp=args.amp, clip_grad_norm=args.clip_grad, batch_transform=mix, channels_last=cuda
+            amp=args.amp,
+            grad_accum=args.grad_accum_steps,
+            clip_grad_norm=args.clip_grad,
+            batch_transform=mix,
+            channels_last=cuda,
         ),
         checkpoints=checkpoints,
         resume=resume,

@@ -17,17 +17,16 @@ average (``ema``), and one line, record and picture per epoch (``reporting``,
 ``losses`` holds :class:`FocalLoss`; ``models`` loads pretrained weights into a
 new head (:func:`load_pretrained`) and freezes a backbone.
 
-A loop of your own gets every fault-tolerance guarantee of ``fit`` from
-:class:`StepGuard` (``guard``), which ``fit`` itself is built on: resume, the
-rest of an epoch, and after each optimizer step a step checkpoint when due
-or a stop of every rank together::
+A loop of your own takes ``fit``'s very step, and every guarantee, from
+:class:`StepGuard` (``guard``), which ``fit`` is built on::
 
-    with StepGuard(manager) as guard:
+    with StepGuard(manager, config=TrainConfig(amp="bf16", grad_accum=2)) as guard:
         for epoch in range(guard.resume(train_loader), epochs):
             part = guard.batches(train_loader, epoch)
             for images, targets in part:
-                ...  # forward, backward(), optimizer.step()
-                guard.after_step(part)
+                with guard.forward(part):  # autocast, no_sync in a window
+                    loss = criterion(model(images), targets)
+                guard.backward(loss, part)  # the optimizer step; save or stop
             guard.end_epoch(epoch, metrics=...)
 
 This package may import every other part of ddpkit.

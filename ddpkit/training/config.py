@@ -32,7 +32,7 @@ __all__ = ["FaultConfig", "ReportConfig", "SaveCadence", "TrainConfig", "parse_t
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """How :func:`ddpkit.fit` runs each training step.
+    """How each training step runs, in ``fit`` and in :class:`~ddpkit.StepGuard` (one step).
 
     Raises:
         ValueError: a value out of range; the message names it.

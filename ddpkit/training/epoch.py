@@ -1,14 +1,13 @@
-"""One training epoch from any position, and the one function every optimizer step goes through.
+"""``fit``'s training epoch from any position, through the guard's one step.
 
 ``fit`` builds a :class:`Run` once (the :class:`TrainingState` bag, the
 :class:`~ddpkit.training.guard.StepGuard`, how each step runs) and calls
 :func:`train_epoch` per epoch. The epoch's batches come from the guard (the
-rest of a resumed epoch, counted as they are read). Each micro-batch is a
-forward and a backward (:meth:`Run.backward`); each optimizer step, the
-epoch's last too, however the epoch ends, is :func:`optimizer_step`: scale,
-clip, step, the position, schedule, then the guard's one question (one store
-call) whether to save a step checkpoint or stop. That question and the
-watchdog's heartbeat are the per-step cost over a hand-written loop.
+rest of a resumed epoch, counted as they are read); each micro-batch is the
+model's forward in :meth:`StepGuard.forward` and :meth:`StepGuard.backward`,
+the step a loop of your own takes too (the optimizer step, the position, the
+one question whether to save or stop). Around it ``fit`` keeps the epoch's
+totals, the progress bar, the finite-loss check and the step callbacks.
 """
 
 from __future__ import annotations
@@ -21,23 +20,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from ddpkit._docs import see
-from ddpkit.checkpoint import CheckpointManager
 from ddpkit.checkpoint.state import TrainingState
 from ddpkit.data import gpu_decode
 from ddpkit.data.resume import EpochBatches
 from ddpkit.distributed import comm
-from ddpkit.distributed.parallel import no_sync, unwrap_model
 from ddpkit.training.config import TrainConfig
-from ddpkit.training.evaluation import Criterion, autocast, to_device
+from ddpkit.training.evaluation import Criterion, to_device
 from ddpkit.training.guard import StepGuard
 from ddpkit.training.profiling import peak_memory_mb
 from ddpkit.training.reporting import Reporter
 from ddpkit.training.stragglers import find_straggler, gather_timings
 
-__all__ = ["Run", "TrainConfig", "TrainingError", "optimizer_step", "train_epoch"]
+__all__ = ["Run", "TrainConfig", "TrainingError", "train_epoch"]
 
 logger = logging.getLogger("ddpkit")
 
@@ -54,13 +50,10 @@ class TrainingError(RuntimeError):
 
 @dataclass
 class Run:
-    """What one ``fit`` call trains: the one training state, and how each step runs.
+    """What one ``fit`` call trains: the state (the guard's), and how each step runs.
 
-    ``state`` is the bag every checkpoint saves and restores (the model, the
-    optimizer ..., the position, this rank's totals, ``extra``); nothing here
-    keeps a copy of any of it. ``guard`` is the public :class:`StepGuard` a
-    loop of your own uses too: the step count, the one question after each
-    step, the watchdog.
+    ``guard`` is the public :class:`StepGuard` a loop of your own uses too: the
+    step, the one question after it, the watchdog; nothing here copies state.
     """
 
     state: TrainingState
@@ -69,100 +62,8 @@ class Run:
     device: torch.device
     guard: StepGuard
     reporter: Reporter
-    per_step: bool = False  # the scheduler steps after each optimizer step
     profiler: Any = None  # a StepProfiler on the ranks that profile, else None
     step_callbacks: Sequence[Callable[[dict[str, Any]], None]] = ()
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps since the run began, over all epochs."""
-        return self.guard.step
-
-    @property
-    def checkpoints(self) -> CheckpointManager | None:
-        return self.guard.checkpoints
-
-    @property
-    def world_size(self) -> int:
-        return comm.get_world_size()
-
-    @property
-    def rank(self) -> int:
-        return comm.get_rank()
-
-    def tick(self, phase: str) -> None:
-        """Tell the hang watchdog where this rank is."""
-        self.guard.progress(phase)
-
-    def backward(
-        self, images: torch.Tensor, targets: torch.Tensor, completes: bool, count: int
-    ) -> torch.Tensor:
-        """One micro-batch: forward, ``loss / count`` backward; the detached loss.
-
-        ``completes``: this micro-batch completes an optimizer step, so DDP
-        all-reduces the gradients in this backward (the others accumulate
-        under ``no_sync``). The step itself is :func:`optimizer_step`.
-        """
-        config, scaler = self.config, self.state.scaler
-        with no_sync(self.state.model, enabled=not completes), autocast(self.device, config.amp):
-            loss = self.criterion(self.state.model(images), targets)
-        # Dividing by 1 would add a kernel and an autograd node to every step.
-        scaled = loss / count if count > 1 else loss
-        if scaler is not None:
-            scaler.scale(scaled).backward()
-        else:
-            scaled.backward()  # type: ignore[no-untyped-call]
-        return loss.detach()
-
-
-def optimizer_step(run: Run, part: EpochBatches, totals: _Totals, loss: torch.Tensor) -> None:
-    """Take the optimizer step the accumulated gradients make; every step goes through here.
-
-    Clip (after unscaling, with a GradScaler), step (through the scaler),
-    zero the gradients, update the average, then count: the bound state's
-    position becomes where ``part`` stands after this step, the per-step
-    scheduler steps, and the guard asks once, on every rank, whether to save a
-    step checkpoint or stop (:meth:`StepGuard.after_step`); then the step
-    callbacks hear of it. All ranks must call this for the same steps, or the
-    question deadlocks.
-
-    Raises:
-        Preempted: a stop signal: every rank stopped after this step, saved.
-        CheckpointError: a background checkpoint write failed on some rank.
-    """
-    state, config = run.state, run.config
-    optimizer, scaler = state.optimizer, state.scaler
-    if config.clip_grad_norm is not None:
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        nn.utils.clip_grad_norm_(state.model.parameters(), config.clip_grad_norm)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    ema: Any = state.ema  # an AveragedModel (ddpkit.model_ema)
-    if ema is not None:
-        ema.update_parameters(unwrap_model(state.model))
-    rate = optimizer.param_groups[0]["lr"]  # the rate this step used
-    state.position = part.position(run.step + 1)
-    if state.scheduler is not None and run.per_step:
-        state.scheduler.step()
-    if run.profiler is not None:
-        run.profiler.at(run.step + 1)
-    run.guard.after_step(part, loop=totals.as_loop)
-    if run.step_callbacks:
-        info = {
-            "epoch": part.epoch + 1,  # counted from 1, as the epoch lines are
-            "step": run.step,
-            "batch": part.done,
-            "lr": float(rate),
-            "loss": loss,
-            "position": state.position,
-        }
-        for callback in run.step_callbacks:
-            callback(info)
 
 
 def train_epoch(
@@ -183,13 +84,13 @@ def train_epoch(
         CheckpointError: a background checkpoint write failed on some rank.
         TrainingError: a non-finite loss.
     """
-    part = run.guard.batches(loader, epoch)
+    guard = run.guard
+    part = guard.batches(loader, epoch)
     state, config, dev = run.state, run.config, run.device
     # decode="cuda": batches decode on the device; what fell back to the CPU is counted.
     on_gpu = getattr(getattr(loader, "dataset", None), "decode", None) == "cuda"
     cpu_before = gpu_decode.cpu_decoded()
     state.model.train()
-    accum = config.grad_accum
     totals = _Totals.carried_over(carried or {}, dev)
     if dev.type == "cuda":  # the record's peak memory is this epoch's
         torch.cuda.reset_peak_memory_stats(dev)
@@ -203,22 +104,20 @@ def train_epoch(
             images = images.contiguous(memory_format=torch.channels_last)
         if config.batch_transform is not None:
             images, targets = config.batch_transform(images, targets)
-        completes = (batch + 1) % accum == 0 or part.last
-        count = _group_size(batch, part.total if part.exact else None, accum)
-        loss = run.backward(images, targets, completes, count)
-        totals.add(loss, targets.shape[0])
-        progress.finite.add(batch, loss)
-        if completes:
-            held = batch % accum + 1  # micro-batches in this step
-            if held < count:  # an unsized epoch ended early: the mean of those it holds
-                _scale_gradients(state.model, count / held)
-            rate = state.optimizer.param_groups[0]["lr"]  # the rate this step uses
-            optimizer_step(run, part, totals, loss)
+        with guard.forward(part):
+            loss = run.criterion(state.model(images), targets)
+        held = loss.detach()
+        totals.add(held, targets.shape[0])  # before the step: a step checkpoint counts it
+        progress.finite.add(batch, held)
+        used = state.optimizer.param_groups[0]["lr"]  # the rate a step now uses
+        if guard.backward(loss, part, loop=totals.as_loop):
+            rate = used
+            _stepped(run, part, held, rate)
         progress.show(batch, part.last, totals)
     # Up to the next epoch's first batch (the totals' all-reduce, then fit's validation, report,
     # callbacks and checkpoint) the rank is at the epoch's end, which the watchdog orders after
     # the epoch's steps and before the next epoch's, at one and the same step count.
-    run.tick("epoch_end")
+    run.guard.progress("epoch_end")
     seconds = totals.seconds()
     progress.close(epoch)
     decoded = gpu_decode.cpu_decoded() - cpu_before if on_gpu else None
@@ -226,11 +125,21 @@ def train_epoch(
     return record | {"peak_memory_mb": totals.peak_mb}
 
 
-def _scale_gradients(model: nn.Module, factor: float) -> None:
-    """Multiply every gradient by ``factor`` (after the all-reduce: the same on every rank)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, factor)
+def _stepped(run: Run, part: EpochBatches, loss: torch.Tensor, rate: float) -> None:
+    """After an optimizer step of ``fit``: the profiler's step, then the step callbacks."""
+    if run.profiler is not None:
+        run.profiler.at(run.guard.step)
+    if run.step_callbacks:
+        info = {
+            "epoch": part.epoch + 1,  # counted from 1, as the epoch lines are
+            "step": run.guard.step,
+            "batch": part.done,
+            "lr": float(rate),
+            "loss": loss,
+            "position": run.state.position,
+        }
+        for callback in run.step_callbacks:
+            callback(info)
 
 
 class _Totals:
@@ -389,18 +298,6 @@ class _Progress:
         if self.bar is not None:
             self.bar.close()
         self.finite.check(epoch)
-
-
-def _group_size(index: int, total: int | None, accum: int) -> int:
-    """Micro-batches in the optimizer step of micro-batch ``index`` (an epoch's last may be short).
-
-    Unknown for a loader without a length: ``accum`` (the last step's gradient is then
-    smaller than a full step's).
-    """
-    if total is None or accum == 1:
-        return accum
-    first = index - index % accum
-    return min(accum, total - first)
 
 
 class _FiniteCheck:

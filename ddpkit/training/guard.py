@@ -1,26 +1,24 @@
-"""``StepGuard``: ``fit``'s fault tolerance for any training loop, and the one ``fit`` uses.
+"""``StepGuard``: the one training step and ``fit``'s fault tolerance, for any training loop.
 
-A loop of your own keeps its forward, ``backward()`` and ``optimizer.step()``;
-around them a guard resumes from the newest checkpoint any rank holds, hands
-out the rest of the epoch from where it stood (:func:`epoch_batches`: on the
-same number of ranks batch for batch, on another the samples not yet seen),
-and after each optimizer step asks one question, the same answer on every
-rank: is a step checkpoint due (every N steps, or M minutes on rank 0's
-clock), and did any rank get a stop signal or fail to write? It saves the
-step checkpoint, or ``interrupted.pth`` and raises :class:`Preempted` (exit
-status 75). With ``hang_timeout`` a watchdog names a rank that stops making
-progress and ends the job with status 124. ``fit`` is built from this class,
-so the two cannot drift apart::
+A loop of your own keeps its forward and loss; :meth:`StepGuard.forward` is
+their context (autocast, DDP's ``no_sync`` while an accumulation window is
+open) and :meth:`StepGuard.backward` the rest of the step, the one optimizer
+step of ddpkit (``fit``'s too), then one question, the same answer on every
+rank: save a step checkpoint, or stop (a signal, a failed write: every rank
+after the same step, ``interrupted.pth``, :class:`Preempted`)? Around the
+epochs the guard resumes, hands out the rest of an epoch, runs the hang
+watchdog, and at the block's end waits for every checkpoint it started::
 
-    with ddpkit.StepGuard(manager, faults=ddpkit.FaultConfig(hang_timeout=600)) as guard:
+    state = ddpkit.TrainingState(model, optimizer, ema=ema)
+    manager = ddpkit.CheckpointManager("runs/exp", state=state, every_steps=500)
+    config = ddpkit.TrainConfig(amp="bf16", grad_accum=2, clip_grad_norm=1.0)
+    with ddpkit.StepGuard(manager, config=config) as guard:
         for epoch in range(guard.resume(train_loader), epochs):
             part = guard.batches(train_loader, epoch)
             for images, targets in part:
-                loss = criterion(model(images), targets)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                guard.after_step(part)  # counts the step; saves or stops when due
+                with guard.forward(part):
+                    loss = criterion(model(images), targets)
+                guard.backward(loss, part)  # the optimizer step when the window closes
             guard.end_epoch(epoch, metrics={"acc1": evaluate(model, val_loader)["acc1"]})
 """
 
@@ -29,26 +27,32 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
+import torch
+from torch import nn
 from torch.utils.data import DataLoader
 
 from ddpkit._docs import see
 from ddpkit.checkpoint import CheckpointManager
+from ddpkit.checkpoint.cadence import SaveClock
 from ddpkit.checkpoint.serialization import CheckpointError
+from ddpkit.checkpoint.state import TrainingState
 from ddpkit.checkpoint.sync import claim_directory
 from ddpkit.data.resume import EpochBatches, check_start, data_change, epoch_batches
 from ddpkit.data.streams import loader_states_for, state_holder
 from ddpkit.distributed import comm
-from ddpkit.distributed.job import restore_environ
-from ddpkit.distributed.recorder import point_dumps
+from ddpkit.distributed.devices import module_device
+from ddpkit.distributed.parallel import no_sync, unwrap_model
 from ddpkit.distributed.stops import Actions, Preempted, StepControl, Stop
 from ddpkit.position import Position
-from ddpkit.training.config import FaultConfig
+from ddpkit.training.config import FaultConfig, TrainConfig
+from ddpkit.training.evaluation import autocast
+
+if TYPE_CHECKING:  # its thread starts only when asked for
+    from ddpkit.distributed.watchdog import HangWatchdog
 
 __all__ = ["StepGuard"]
 
@@ -58,50 +62,79 @@ Totals = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
 
 
 class StepGuard:
-    """Resume, the rest of an epoch, and after each optimizer step: save when due, stop together.
+    """The training step, resume, the rest of an epoch, saves when due, stopping together.
 
     Use it as a context manager around training, entered on every rank (it
     agrees on a store prefix: a collective). Entering installs the handlers of
     ``faults.stop_signals`` (put back on exit) and, with ``faults.hang_timeout``,
-    starts a :class:`~ddpkit.distributed.HangWatchdog`.
+    starts a :class:`~ddpkit.distributed.HangWatchdog`. Leaving it, normally or
+    by an exception, waits until every checkpoint it started is on disk
+    (normally, a failed write is raised on every rank: a collective).
+
+    The run's progress lives in the :class:`~ddpkit.checkpoint.TrainingState`
+    only; the guard reads and advances it there.
 
     Args:
         checkpoints: where and how often to save; its bound ``TrainingState``
             is what every checkpoint holds (bind one before :meth:`resume`).
             None: nothing is saved, stops still agreed.
+        state: the training state; default the manager's (given, it is bound
+            to a manager that has none).
+        config: how each step runs (:class:`~ddpkit.TrainConfig`); with
+            ``amp="fp16"`` a GradScaler joins a state that has none.
         faults: the stop signals, the hang watchdog and what a resume on other
             data does (:class:`FaultConfig`); default ``FaultConfig()``.
         report_dir: where the hang report goes; default ``faults.report_dir``,
             else the checkpoint directory.
 
     Attributes:
-        step: optimizer steps taken so far, over the run (the resumed ones included).
-        start: where :meth:`resume` found training, or None.
-        loop: this rank's running totals saved with the resumed position
-            (``{}`` without), as the last :meth:`after_step` was given them.
         watchdog: the hang watchdog, or None.
+
+    Raises:
+        ValueError: ``state`` is not the state ``checkpoints`` has bound.
     """
 
     def __init__(
         self,
         checkpoints: CheckpointManager | None = None,
         *,
+        state: TrainingState | None = None,
+        config: TrainConfig | None = None,
         faults: FaultConfig | None = None,
         report_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.checkpoints = checkpoints
+        if state is not None and checkpoints is not None:
+            if checkpoints.state is None:
+                checkpoints.bind(state)
+            elif checkpoints.state is not state:
+                raise ValueError(
+                    "StepGuard(state=...) is not the TrainingState the CheckpointManager has "
+                    "bound; pass one of them (the manager's state is the one it saves)"
+                )
+        self.checkpoints, self.config = checkpoints, config or TrainConfig()
         self.faults = faults or FaultConfig()
         default = checkpoints.directory if checkpoints is not None else None
         self.report_dir = report_dir or self.faults.report_dir or default
-        self.step = 0
-        self.start: Position | None = None
-        self.loop: dict[str, Any] = {}
-        self.watchdog: Any = None
+        self.watchdog: HangWatchdog | None = None
         self.control: StepControl | None = None
+        self._state, self._own = state, TrainingState(nn.Identity())  # _own: progress only
         self._world, self._rank = comm.get_world_size(), comm.get_rank()
         self._stack = contextlib.ExitStack()
-        self._started: set[int] = set()  # loaders whose persistent workers run
-        self._loader_state: Any = None  # the resumed place in a stateful loader's stream
+        self._plain: Any = None  # without fp16: a disabled GradScaler, which steps plainly
+
+    @property
+    def state(self) -> TrainingState:
+        """The run's one bag: ``state=``, else the manager's bound one (else progress only)."""
+        if self._state is not None:
+            return self._state
+        if self.checkpoints is not None and self.checkpoints.state is not None:
+            return self.checkpoints.state
+        return self._own
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far, over the run (the resumed ones included): the state's."""
+        return self.state.position.step
 
     # -- the context ---------------------------------------------------------------------
 
@@ -111,18 +144,18 @@ class StepGuard:
             self.control = stack.enter_context(
                 StepControl(  # the one question after every step: save? stop?
                     signals=self.faults.stop_signals,
-                    store=_control_store(self._world, self._rank),
+                    store=StepControl.shared_store(self._world, self._rank),
                     rank=self._rank,
                     world_size=self._world,
-                    cadence=self.checkpoints,  # the manager owns the cadence and its clock
                 )
             )
+            state, kind = self.state, self._device().type
+            self._plain = torch.amp.GradScaler(kind, enabled=False)
+            if self.config.amp == "fp16" and state.scaler is None and state is not self._own:
+                state.scaler = torch.amp.GradScaler(kind)  # saved with the state
             if self.faults.hang_timeout is not None:
                 from ddpkit.distributed.watchdog import HangWatchdog  # its thread: only if asked
 
-                if self.report_dir is not None and _nccl():
-                    restore = point_dumps(self.report_dir)  # NCCL's own dump on a timeout
-                    stack.callback(restore_environ, restore)
                 self.watchdog = stack.enter_context(
                     HangWatchdog(
                         timeout=self.faults.hang_timeout,
@@ -135,8 +168,17 @@ class StepGuard:
             raise
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self._stack.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
+        try:
+            manager = self.checkpoints
+            if manager is not None:  # every checkpoint this block started is on disk
+                self.progress("save")
+                if kind is None:
+                    manager.flush()  # a failed write raises, on every rank
+                else:  # the error in flight is the one to see; the file is completed
+                    manager.wait(raise_error=False)
+        finally:
+            self._stack.close()
 
     def progress(self, phase: str) -> None:
         """Tell the hang watchdog (if any) where this rank is, at the current step."""
@@ -148,17 +190,14 @@ class StepGuard:
     def resume(self, loader: Iterable[Any], *, path: str | os.PathLike[str] | None = None) -> int:
         """Restore the newest complete checkpoint any rank holds; return the epoch to start in.
 
-        Restores the manager's bound state (:meth:`CheckpointManager.resume`,
-        RNG states only on the number of ranks that saved) and checks the
-        position against ``loader``: a mid-epoch position taken on other data
-        is refused, or with ``faults.on_data_change="next_epoch"`` moved to the
-        next epoch's start (the bound per-epoch scheduler stepped as that
-        epoch's end would). A stateful loader's saved place (every rank's, in a
-        step checkpoint) is taken for :meth:`batches`; mid-epoch on another
-        number of ranks it is refused, unless the state says it may be
-        re-split. Without a checkpoint, a fresh run claims the
-        directory: another run's files there are refused now, not at the first
-        save. All ranks must call this, or it deadlocks.
+        Restores the state (:meth:`CheckpointManager.resume`; RNG states on the
+        number of ranks that saved) and checks its position against ``loader``:
+        a mid-epoch position on other data is refused, or with
+        ``faults.on_data_change="next_epoch"`` moved to the next epoch's start
+        (a per-epoch scheduler stepped). A stateful loader's saved place goes to
+        :meth:`batches` (on another number of ranks, refused unless it may be
+        re-split). Without a checkpoint, another run's files in the directory
+        are refused now. All ranks must call this, or it deadlocks.
 
         Raises:
             CheckpointError: no checkpoint is loadable, the data changed
@@ -170,25 +209,25 @@ class StepGuard:
         if manager is None:
             return 0
         manager.resume(path=path, strict_rng=False)
-        start = manager.position
-        if start is None:
+        if manager.resumed is None:
             claim_directory(manager.directory, writes=manager.writes, overwrite=manager.overwrite)
-        elif start.mid_epoch:
+            return 0
+        state = self.state
+        start = state.position
+        if start.mid_epoch:
             start = self._checked(start, loader)
-        self.start, self.step = start, start.step if start is not None else 0
-        state = manager.state
-        mid = start is not None and start.mid_epoch
-        self.loop = dict(state.loop) if state is not None and mid else {}
-        self._loader_state = self._place(loader, mid) if start is not None else None
-        if state is not None and start is not None:
-            state.position = start
-        return start.epoch if start is not None else 0
+        mid = start.mid_epoch
+        state.advance(
+            start, loop=state.loop if mid else None, loader_state=self._place(loader, mid)
+        )
+        return start.epoch
 
     def _place(self, loader: Iterable[Any], mid: bool) -> Any:
         """This rank's saved place in a stateful loader's stream, checked; None: by position."""
         manager = self.checkpoints
         assert manager is not None
-        saved = manager.loader_states
+        assert manager.resumed is not None
+        saved = manager.resumed.loader
         if not saved or all(s is None for s in saved):
             return None
         if state_holder(loader) is None:
@@ -241,28 +280,25 @@ class StepGuard:
                 RuntimeWarning,
                 stacklevel=4,
             )
-        scheduler = manager.state.scheduler if manager.state is not None else None
-        if scheduler is not None and not getattr(scheduler, "per_step", False):
+        scheduler = self.state.scheduler
+        if scheduler is not None and not self.per_step:
             scheduler.step()  # as the skipped epoch's end would have
         return Position(start.epoch + 1, 0, 0, start.step, self._world)
 
     def batches(self, loader: Iterable[Any], epoch: int) -> EpochBatches:
         """The batches of ``epoch`` still to train on this rank, counted as they are read.
 
-        From the resumed position in its epoch (:func:`ddpkit.epoch_batches`:
-        ``build_loader``'s skip the done indices without reading them; on
-        another number of ranks the samples not yet seen are dealt out again),
-        else the whole epoch. The watchdog hears when this rank waits for a
-        batch and when it computes (a loader starting its workers is never timed).
+        From the state's position when it stands in ``epoch`` (a resume;
+        :func:`ddpkit.epoch_batches`), else the whole epoch; watched by the
+        watchdog (:meth:`watched`).
         """
-        start = self.start if self.start is not None and self.start.epoch == epoch else None
-        place, self._loader_state = (self._loader_state, None) if start else (None, None)
+        state = self.state
+        at = state.position
+        start = at if at.epoch == epoch and at.mid_epoch else None
+        place = state.loader_state if start is not None else None
         part = epoch_batches(
             loader, epoch, start, world_size=self._world, rank=self._rank, loader_state=place
         )
-        manager = self.checkpoints
-        if place is not None and manager is not None and manager.state is not None:
-            manager.state.loader_state = None  # used: a later save records its own place
         if self.watchdog is not None:
             # The rest of a resumed epoch may come from a loader of its own, with its workers.
             source = part.batches if isinstance(part.batches, DataLoader) else loader
@@ -271,52 +307,113 @@ class StepGuard:
 
     def watched(
         self, loader: Any, batches: Iterable[Any], waiting: str, busy: str
-    ) -> Iterator[Any]:
-        """``batches`` (of ``loader``), telling the watchdog when this rank waits for them.
+    ) -> Iterable[Any]:
+        """``batches`` (of ``loader``), telling the watchdog (if any) when this rank waits for them.
 
-        ``waiting`` before each batch, ``busy`` once it is here. A ``DataLoader``
-        starts its workers in ``iter()``, and batch ``k`` comes from worker ``k``:
-        until one batch came from each worker (each imported, ran its
-        ``worker_init_fn``, fetched), the phase is ``"start_" + waiting``; after
-        the last batch of workers that are not persistent, while the iterator
-        joins them, ``"end_" + waiting``. The watchdog times neither.
+        :meth:`~ddpkit.distributed.HangWatchdog.watch`, at this guard's step count.
         """
-        starting = self._starts_workers(loader)
-        ending = _ending_workers(loader)
-        self.progress(f"start_{waiting}" if starting else waiting)
-        for count, batch in enumerate(batches, 1):
-            self.progress(busy)
-            yield batch
-            phase = "start_" if count < starting else "end_" if count == ending else ""
-            self.progress(phase + waiting)
-        self.progress(busy)  # what follows the last batch (the totals' all-reduce) is the work
+        if self.watchdog is None:
+            return batches
+        return self.watchdog.watch(loader, batches, lambda: self.step, waiting, busy)
 
-    def _starts_workers(self, loader: Any) -> int:
-        """How many workers iterating ``loader`` starts (persistent ones start once)."""
-        if not isinstance(loader, DataLoader) or loader.num_workers == 0:
-            return 0
-        if loader.persistent_workers:
-            if id(loader) in self._started:
-                return 0
-            self._started.add(id(loader))
-        return loader.num_workers
+    # -- the step ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def forward(self, part: EpochBatches) -> Iterator[None]:
+        """The context of one micro-batch's forward and loss (the batch ``part`` just yielded).
+
+        ``config.amp``'s autocast, and DDP's ``no_sync`` while the accumulation
+        window stays open, so that backward all-reduces nothing until the
+        window's last micro-batch. A forward outside it is correct, only slower
+        with ``grad_accum`` > 1 (every micro-batch all-reduces).
+        """
+        model, amp = self.state.model, self.config.amp
+        with no_sync(model, enabled=not self._closes(part)), autocast(self._device(), amp):
+            yield
+
+    def backward(self, loss: torch.Tensor, part: EpochBatches, *, loop: Totals = None) -> bool:
+        """Backward for one micro-batch; on the window's last one, the optimizer step.
+
+        ``loss`` is divided by the micro-batches of its step (``grad_accum``,
+        fewer in an epoch's short last window) and backpropagated through the
+        GradScaler. The window closes every ``grad_accum`` micro-batches and at
+        the epoch's last; then the one optimizer step of ddpkit: unscale and
+        clip, step, zero the gradients, update the EMA, step a per-step
+        scheduler, :meth:`after_step` (``loop`` goes to it). All ranks must call
+        this for the same micro-batches.
+
+        Returns:
+            Whether an optimizer step was taken.
+
+        Raises:
+            Preempted, CheckpointError: as :meth:`after_step`.
+            TypeError: the state has no optimizer.
+        """
+        self._control()  # entered: its disabled GradScaler is made there
+        accum, batch = self.config.grad_accum, part.done - 1
+        count = _group_size(batch, part.total if part.exact else None, accum)
+        scaler = self.state.scaler or self._plain  # fp16's, else a disabled one: one path
+        # Dividing by 1 would add a kernel and an autograd node to every step.
+        scaler.scale(loss / count if count > 1 else loss).backward()
+        if not self._closes(part):
+            return False
+        held = batch % accum + 1  # micro-batches in this step
+        if held < count:  # an unsized epoch ended early: the mean of those it holds
+            _scale_gradients(self.state.model, count / held)
+        self._optimizer_step(scaler)
+        self.after_step(part, loop=loop)
+        return True
+
+    def _closes(self, part: EpochBatches) -> bool:
+        """Whether the micro-batch ``part`` just yielded closes an accumulation window."""
+        return part.done % self.config.grad_accum == 0 or part.last
+
+    def _optimizer_step(self, scaler: Any) -> None:
+        """Clip, step, zero, average, schedule: the one optimizer step in ddpkit."""
+        state, clip = self.state, self.config.clip_grad_norm
+        optimizer = state.optimizer
+        if optimizer is None:
+            raise TypeError(
+                "StepGuard.backward() steps the state's optimizer, and it has none: bind "
+                "TrainingState(model, optimizer, ...) to the CheckpointManager or pass state="
+            )
+        if clip is not None:
+            scaler.unscale_(optimizer)  # clip the true gradients (nothing to do unscaled)
+            nn.utils.clip_grad_norm_(state.model.parameters(), clip)
+        scaler.step(optimizer)  # the one optimizer step of ddpkit (a disabled scaler: plain)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        ema: Any = state.ema  # an AveragedModel (ddpkit.model_ema)
+        if ema is not None:
+            ema.update_parameters(unwrap_model(state.model))
+        if state.scheduler is not None and self.per_step:
+            state.scheduler.step()
+
+    @property
+    def per_step(self) -> bool:
+        """Whether the scheduler steps per optimizer step (the config, or ``warmup_schedule``'s)."""
+        scheduler = self.state.scheduler
+        return self.config.scheduler_per_step or bool(getattr(scheduler, "per_step", False))
+
+    def _device(self) -> torch.device:
+        device = self.config.device
+        return torch.device(device) if device is not None else module_device(self.state.model)
 
     # -- between steps, and at an epoch's end -----------------------------------------------
 
     def after_step(self, part: EpochBatches | Position, *, loop: Totals = None) -> Actions:
         """After each optimizer step: count it, then save a step checkpoint or stop, if asked.
 
-        ``part``: the epoch's :class:`EpochBatches` (the position is built from
-        what it has yielded, with this step's number), or the step's
-        :class:`Position`. Every rank asks once, the same answer everywhere:
-        a step checkpoint is due (the manager's ``every_steps``; its
-        ``every_minutes`` on rank 0's clock) or a stop was asked on some rank
-        (a stop signal, a failed background write). A due checkpoint is saved
-        in the background (none after the epoch's last batch: the epoch's own
-        follows); a stop saves ``interrupted.pth`` and raises. ``loop``: this
-        rank's running totals of the epoch (or a function that gives them,
-        called only when a checkpoint is written), saved with the position.
-        All ranks must call this after the same steps, or it deadlocks.
+        :meth:`backward` calls it; a loop that steps itself calls it once per
+        optimizer step. ``part``: the :class:`EpochBatches` (the position is
+        built from what it yielded) or the step's :class:`Position`; the
+        state advances there. Every rank asks once, the same answer everywhere,
+        whether a step checkpoint is due (the manager's cadence) or a stop was
+        asked (a signal, a failed write): a due checkpoint is saved in the
+        background (none after an epoch's last batch), a stop saves
+        ``interrupted.pth`` and raises. ``loop``: this rank's running totals
+        (or a function giving them, called only for a save). All ranks must
+        call this after the same steps, or it deadlocks.
 
         Returns:
             What was decided (``save``; ``stop`` is never returned: it raises).
@@ -326,53 +423,62 @@ class StepGuard:
                 step, ``interrupted.pth`` written (exit status 75 uncaught).
             CheckpointError: a background checkpoint write failed on some rank.
         """
-        assert self.control is not None, "use the StepGuard as a context manager"
+        control, state, manager = self._control(), self.state, self.checkpoints
         if isinstance(part, EpochBatches):
-            self.step += 1
-            position, last = part.position(self.step), part.last
+            position, last = part.position(state.position.step + 1), part.last
         else:
-            self.step, position, last = part.step, part, False
+            position, last = part, False
+        state.advance(position)  # the step is counted
         self.progress("done")
-        manager = self.checkpoints
         if manager is not None and manager.write_error is not None:
             error = manager.write_error
-            self.control.request_stop(f"rank {self._rank}: {type(error).__name__}: {error}")
-        actions = self.control.after_step(self.step)
+            control.request_stop(f"rank {self._rank}: {type(error).__name__}: {error}")
+        counted = timed = False
+        if manager is not None:
+            counted, timed = manager.clock.due(position.step, timed=self._rank == 0)
+        actions = control.after_step(position.step, counted=counted, timed=timed)
+        save = manager is not None and SaveClock.step_checkpoint(actions.save, last)
+        if manager is not None and (save or actions.stop is not None):
+            held = isinstance(part, EpochBatches) and part.holder is not None
+            place = part.loader_state() if held and isinstance(part, EpochBatches) else None
+            state.advance(position, loop=_totals(loop), loader_state=place)
         if actions.stop is not None:
-            if manager is not None:
-                _keep_place(manager, part)
-            self._stop(actions.stop, position, loop)
-        if manager is not None and actions.save and not last:
+            self._stop(actions.stop, mid_epoch=True)
+        if save and manager is not None:
             self.progress("save")
-            _keep_place(manager, part)
-            manager.save_step(position, loop=_totals(loop), block=False)
+            manager.checkpoint("step", block=False)
         return actions
 
     def end_epoch(self, epoch: int, metrics: Mapping[str, Any] | None = None) -> None:
         """After an epoch: its checkpoint (in the background), then a stop if any rank asked.
 
-        The bound state's position becomes the next epoch's start. A stop here
-        costs no extra step: the epoch's checkpoint is the one to resume from.
-        All ranks must call this, or it deadlocks.
+        The state's position becomes the next epoch's start
+        (:meth:`TrainingState.end_epoch`); a stop here resumes from the epoch's
+        checkpoint. All ranks must call this, or it deadlocks.
 
         Raises:
             Preempted: a stop signal arrived on some rank during the epoch's end.
             CheckpointError: a background checkpoint write failed on some rank.
         """
-        assert self.control is not None, "use the StepGuard as a context manager"
+        control = self._control()
+        self.state.end_epoch(epoch, self._world)
         manager = self.checkpoints
         if manager is not None:
             self.progress("save")
-            if manager.state is not None:
-                data = manager.state.position.data_size, manager.state.position.data_digest
-                manager.state.position = Position(epoch + 1, 0, 0, self.step, self._world, *data)
-                manager.state.loader_state = None  # the next epoch starts its stream afresh
             manager.checkpoint("epoch", metrics=metrics, block=False)
-        stop = self.control.stop_at_epoch_end()
+        stop = control.stop_at_epoch_end()
         if stop is not None:
-            self._stop(stop, None, None)
+            self._stop(stop, mid_epoch=False)
 
-    def _stop(self, stop: Stop, position: Position | None, loop: Totals) -> None:
+    def _control(self) -> StepControl:
+        if self.control is None:
+            raise RuntimeError(
+                "StepGuard is used outside its with-block: write `with StepGuard(...) as "
+                "guard:` around the training loop (entering installs the stop handlers)"
+            )
+        return self.control
+
+    def _stop(self, stop: Stop, *, mid_epoch: bool) -> None:
         """End training on every rank: ``interrupted.pth`` for a signal mid-epoch; raise."""
         manager = self.checkpoints
         if stop.kind == "error":
@@ -384,8 +490,8 @@ class StepGuard:
             )
         path = None
         if manager is not None:
-            if position is not None:
-                path = manager.save_step(position, kind="interrupted", loop=_totals(loop))
+            if mid_epoch:
+                path = manager.checkpoint("interrupted")
             else:
                 manager.flush()
                 path = manager.latest_path if manager.writes else None
@@ -399,34 +505,24 @@ class StepGuard:
         raise Preempted(stop.detail, str(path) if path is not None else None, self.step)
 
 
-def _keep_place(manager: CheckpointManager, part: EpochBatches | Position) -> None:
-    """Put this rank's place in a stateful loader's stream into the bound state, to be saved."""
-    if isinstance(part, EpochBatches) and part.holder is not None and manager.state is not None:
-        manager.state.loader_state = part.loader_state()
+def _group_size(index: int, total: int | None, accum: int) -> int:
+    """Micro-batches in the optimizer step of micro-batch ``index`` (an epoch's last may be short).
+
+    Unknown for a loader without a length: ``accum`` (the last step's gradient is then
+    smaller than a full step's).
+    """
+    if total is None or accum == 1:
+        return accum
+    first = index - index % accum
+    return min(accum, total - first)
+
+
+def _scale_gradients(model: nn.Module, factor: float) -> None:
+    """Multiply every gradient by ``factor`` (after the all-reduce: the same on every rank)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
 
 
 def _totals(loop: Totals) -> Any:
     return loop() if callable(loop) else loop
-
-
-def _ending_workers(loader: Any) -> int | None:
-    """After which batch a ``DataLoader``'s iterator stops its workers; None: never, or unknown."""
-    if not isinstance(loader, DataLoader) or loader.num_workers == 0 or loader.persistent_workers:
-        return None
-    try:
-        return len(loader)
-    except TypeError:  # an IterableDataset without a length
-        return None
-
-
-def _nccl() -> bool:
-    """Whether the default process group is NCCL's (whose own dump on a timeout is pointed)."""
-    return dist.is_initialized() and dist.get_backend() == "nccl"
-
-
-def _control_store(world: int, rank: int) -> Any:
-    """The store every rank shares, under a prefix new to this run (one collective)."""
-    if world <= 1 or not dist.is_initialized():
-        return None
-    token = comm.all_gather_object(secrets.token_hex(8) if rank == 0 else None)[0]
-    return dist.PrefixStore(f"ddpkit/fit/{token}/", dist.distributed_c10d._get_default_store())

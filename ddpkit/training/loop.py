@@ -200,9 +200,9 @@ def fit(
     if resume is not False and checkpoints is None:
         raise ValueError("resume=True needs checkpoints=CheckpointManager(directory)")
     dev = torch.device(config.device) if config.device is not None else module_device(model)
-    scaler = torch.amp.GradScaler(dev.type) if config.amp == "fp16" else None
     # The one bag every step updates and every checkpoint saves: nothing else holds a copy.
-    state = TrainingState(model, optimizer, scheduler, scaler, ema)
+    # With fp16 the guard adds its GradScaler.
+    state = TrainingState(model, optimizer, scheduler, ema=ema)
     history = History()
     with contextlib.ExitStack() as stack:
         # Set-up: the guard (stops, the watchdog), the resume, the reporter.
@@ -240,7 +240,9 @@ def _start(
     if checkpoints is not None:
         checkpoints.bind(state)  # once: every save and the resume read this bag
     where = faults.report_dir or (checkpoints.directory if checkpoints else report.log_dir)
-    guard = stack.enter_context(StepGuard(checkpoints, faults=faults, report_dir=where))
+    guard = stack.enter_context(
+        StepGuard(checkpoints, state=state, config=config, faults=faults, report_dir=where)
+    )
     run = Run(
         state=state,
         criterion=criterion,
@@ -248,7 +250,6 @@ def _start(
         device=dev,
         guard=guard,
         reporter=Reporter(report, is_main=comm.is_main_process()),
-        per_step=config.scheduler_per_step or bool(getattr(state.scheduler, "per_step", False)),
     )
     # The trackers' last records have a deadline of their own: not the watchdog's.
     stack.callback(_close_reporter, run)
@@ -271,8 +272,8 @@ def _resume(
     that epoch (all ranks' summed on rank 0 when the number of ranks changed).
     """
     state, guard = run.state, run.guard
-    state.position = Position(world_size=run.world_size)
-    manager = run.checkpoints
+    state.advance(Position(world_size=comm.get_world_size()))
+    manager = run.guard.checkpoints
     if manager is None:
         return None, None
     if resume is False:  # a fresh run: another run's files are refused before it trains
@@ -280,13 +281,15 @@ def _resume(
     else:
         guard.resume(loader, path=None if resume is True else resume)
     if run.profiler is not None:
-        run.profiler.at(run.step)
-    start = guard.start
-    return start, _carried(manager.loop, start, run.world_size, run.rank)
+        run.profiler.at(run.guard.step)
+    if manager.resumed is None:
+        return None, None
+    start = state.position
+    return start, _carried(manager.resumed.loop, start, comm.get_world_size(), comm.get_rank())
 
 
 def _close_reporter(run: Run) -> None:
-    run.tick("trackers")
+    run.guard.progress("trackers")
     run.reporter.close()
 
 
@@ -304,7 +307,7 @@ def _open_report(
         TrackerError: (every rank) a tracker asked for cannot start its run.
         ValueError: the training loader yields no batch.
     """
-    reporter, checkpoints, world = run.reporter, run.checkpoints, run.world_size
+    reporter, checkpoints, world = run.reporter, run.guard.checkpoints, comm.get_world_size()
     header = _header(
         world, epochs, run.config, val_loader if val_loader is not None else train_loader
     )
@@ -378,17 +381,17 @@ def _finish_epoch(
             averaged = measure(ema.module, watched())
             keys = ("acc1", "acc5", "loss") if "val_acc5" in record else ("acc1", "loss")
             record.update({f"val_ema_{k}": averaged[k] for k in keys})
-    run.tick("callbacks")  # the report and the callbacks: the watchdog places them apart
-    if state.scheduler is not None and not run.per_step:
+    run.guard.progress("callbacks")  # the report and the callbacks: the watchdog places them apart
+    if state.scheduler is not None and not run.guard.per_step:
         state.scheduler.step()
     record["wall_seconds"] = time.perf_counter() - began
     history.records.append(record)
-    run.reporter.epoch(record, epochs, run.step)
-    if run.checkpoints is not None and run.reporter.tracker_names:
+    run.reporter.epoch(record, epochs, run.guard.step)
+    if run.guard.checkpoints is not None and run.reporter.tracker_names:
         # The ledger travels with the checkpoints: a resume whose trackers.json is gone
         # (another log_dir, another node) logs each epoch once all the same.
         ledger = run.reporter.tracker_ledger()
-        if run.world_size > 1:  # every node's copy carries rank 0's
+        if comm.get_world_size() > 1:  # every node's copy carries rank 0's
             ledger = comm.all_gather_object(ledger)[0]
         state.extra["tracker_ledger"] = ledger
     for callback in callbacks:
@@ -403,31 +406,29 @@ def _finish_epoch(
 def _end(run: Run, history: History) -> None:
     """Wait for the last checkpoint on every rank, then the summary, the plot, the trackers' end."""
     best = None
-    checkpoints = run.checkpoints
+    checkpoints = run.guard.checkpoints
     if checkpoints is not None:
         checkpoints.flush()  # every rank learns whether the last write failed
         if (checkpoints.directory / BEST).exists():
             best = str(checkpoints.directory / BEST)
     # On rank 0 while the others may have left: bounded by the trackers' own deadline,
     # not the watchdog's.
-    run.tick("trackers")
+    run.guard.progress("trackers")
     run.reporter.finish(history.records, best)
 
 
 def _explain(run: Run, error: BaseException) -> None:
-    """Complete the checkpoint being written; for a failed collective, this rank's report."""
-    if run.checkpoints is not None:
-        run.checkpoints.wait(raise_error=False)  # the file being written is completed
+    """For a failed collective, this rank's report (the guard's end completes the checkpoint)."""
     where = run.guard.report_dir or run.reporter.config.log_dir
-    if run.world_size > 1 and where is not None and is_collective_failure(error):
+    rank, world = comm.get_rank(), comm.get_world_size()
+    if world > 1 and where is not None and is_collective_failure(error):
         try:
-            backend = dist.get_backend()
-            path = report_collective_failure(where, run.rank, run.world_size, error, backend)
+            path = report_collective_failure(where, rank, world, error, dist.get_backend())
         except Exception as failed:  # the report must never hide the error it explains
-            logger.warning("rank %d: no collective report (%s)", run.rank, failed)
+            logger.warning("rank %d: no collective report (%s)", rank, failed)
         else:
             if path is not None:
-                logger.error("rank %d: its last collectives and stack: %s", run.rank, path)
+                logger.error("rank %d: its last collectives and stack: %s", rank, path)
 
 
 def _val_record(val: dict[str, Any], loader: Iterable[Any]) -> dict[str, Any]:

@@ -436,7 +436,7 @@ def test_any_real_number_is_a_timeout(value: object) -> None:
     assert ddpkit.FaultConfig(hang_timeout=value).hang_timeout == float(value)  # type: ignore[arg-type]
     assert type(ddpkit.FaultConfig(hang_timeout=value).hang_timeout) is float  # type: ignore[arg-type]
     manager = ddpkit.CheckpointManager("unused", every_minutes=value)  # type: ignore[arg-type]
-    assert manager.every_minutes == float(value)  # type: ignore[arg-type]
+    assert manager.cadence.every_minutes == float(value)  # type: ignore[arg-type]
     from ddpkit.distributed.watchdog import HangWatchdog
 
     assert HangWatchdog(value).timeout == float(value)  # type: ignore[arg-type]

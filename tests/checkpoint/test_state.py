@@ -63,11 +63,13 @@ def test_the_former_call_form_binds_the_objects_it_is_given_with_a_warning(
 
     state = _objects(0)
     manager = CheckpointManager(tmp_path)
-    with pytest.warns(DdpkitDeprecationWarning, match=r"save\(model, optimizer, scheduler\)"):
+    with pytest.warns(DdpkitDeprecationWarning, match=r"CheckpointManager.save\(epoch") as seen:
         manager.save(0, state.model, state.optimizer, state.scheduler, metrics={"acc1": 1.0})
+    assert len(seen) == 1  # one warning for the one deprecated call, objects and all
     assert manager.state is not None
     assert manager.state.model is state.model
-    manager.save(1)  # the bound objects
+    manager.state.end_epoch(1, 1)
+    manager.checkpoint("epoch")  # the bound objects, through the one verb
     assert manager.resume() == 2
 
 

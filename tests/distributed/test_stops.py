@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import threading
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import PREEMPTED_EXIT_CODE, Preempted
-from ddpkit.checkpoint.cadence import SaveCadence
+from ddpkit.checkpoint.cadence import SaveCadence, SaveClock
 from ddpkit.distributed.stops import StepControl, Stop
 from ddpkit.testing import run_distributed
 
@@ -69,31 +70,33 @@ def test_bad_signal_names_are_refused() -> None:
         StepControl(signals=["SIGBOGUS"])
 
 
-class _Cadence:
-    """What a CheckpointManager is to StepControl: the rule, and a clock restarted by saves."""
+def _clock(every_steps: int | None = None, every_minutes: float | None = None) -> SaveClock:
+    return SaveClock(SaveCadence(every_steps=every_steps, every_minutes=every_minutes))
 
-    def __init__(self, every_steps: int | None = None, every_minutes: float | None = None) -> None:
-        self.rule = SaveCadence(every_steps=every_steps, every_minutes=every_minutes)
-        self.last = time.monotonic()
 
-    def step_due(self, step: int) -> bool:
-        return self.rule.step_due(step)
-
-    def time_due(self) -> bool:
-        return self.rule.time_due(time.monotonic() - self.last)
-
-    def saved(self) -> None:
-        self.last = time.monotonic()
+def _ask(control: StepControl, clock: SaveClock, step: int, rank: int = 0) -> Any:
+    counted, timed = clock.due(step, timed=rank == 0)
+    return control.after_step(step, counted=counted, timed=timed)
 
 
 def test_timed_saves_on_one_process() -> None:
-    assert StepControl(cadence=_Cadence(every_minutes=10)).after_step(1).save is False
-    control = StepControl(cadence=_Cadence(every_minutes=1e-9))
-    assert control.after_step(1).save is True
+    assert _ask(StepControl(), _clock(every_minutes=10), 1).save is False
+    assert _ask(StepControl(), _clock(every_minutes=1e-9), 1).save is True
 
 
-def test_the_clock_is_the_cadence_owners_and_restarts_at_its_saves(tmp_path: Any) -> None:
-    # The manager owns the cadence and its clock: StepControl keeps none of its own.
+def test_step_control_only_agrees_and_imports_nothing_of_the_checkpoint_package() -> None:
+    import ddpkit.distributed.stops as stops
+
+    assert "cadence" not in inspect.signature(StepControl).parameters
+    assert not hasattr(stops, "Cadence")
+    source = inspect.getsource(stops)
+    assert "ddpkit.checkpoint" not in source.replace("(``ddpkit.checkpoint.cadence``", "")
+    # What it is told is what it answers: it decides nothing of its own.
+    assert StepControl().after_step(3, counted=True).save is True
+    assert StepControl().after_step(3).save is False
+
+
+def test_the_clock_is_the_managers_and_restarts_at_its_saves(tmp_path: Any) -> None:
     from torch import nn
 
     from ddpkit.checkpoint import CheckpointManager, TrainingState
@@ -101,24 +104,27 @@ def test_the_clock_is_the_cadence_owners_and_restarts_at_its_saves(tmp_path: Any
     manager = CheckpointManager(
         tmp_path, every_minutes=1 / 60, state=TrainingState(nn.Linear(1, 1))
     )
-    control = StepControl(cadence=manager)
-    assert control.after_step(1).save is False
-    manager._last_save -= 2.0  # two seconds on: due
-    assert manager.time_due()
-    assert control.after_step(2).save is True
+    control = StepControl()
+    assert _ask(control, manager.clock, 1).save is False
+    manager.clock._last -= 2.0  # two seconds on: due
+    assert _ask(control, manager.clock, 2).save is True
     manager.checkpoint("step")  # any save restarts the clock, the caller does nothing
-    assert not manager.time_due()
-    assert control.after_step(3).save is False
-    manager._last_save -= 2.0
-    manager.save(0)  # an epoch's save too
-    assert control.after_step(4).save is False
-    assert not hasattr(control, "saved")
+    assert _ask(control, manager.clock, 3).save is False
+    manager.clock._last -= 2.0
+    manager.checkpoint("epoch")  # an epoch's save too
+    assert _ask(control, manager.clock, 4).save is False
 
 
 def test_counted_saves_are_decided_by_each_rank_alone() -> None:
-    control = StepControl(cadence=_Cadence(every_steps=3))
-    assert [s for s in range(1, 10) if control.after_step(s).save] == [3, 6, 9]
+    clock = _clock(every_steps=3)
+    assert [s for s in range(1, 10) if _ask(StepControl(), clock, s, rank=1).save] == [3, 6, 9]
     assert StepControl().after_step(3).save is False
+
+
+def test_no_step_checkpoint_follows_an_epochs_last_batch() -> None:
+    assert SaveClock.step_checkpoint(True, last=False)
+    assert not SaveClock.step_checkpoint(True, last=True)
+    assert not SaveClock.step_checkpoint(False, last=False)
 
 
 def test_preempted_is_a_system_exit_with_status_75() -> None:
@@ -131,11 +137,10 @@ def test_preempted_is_a_system_exit_with_status_75() -> None:
 def _lockstep(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
     """Steps kept in lockstep by an all-reduce, as DDP's gradient all-reduce does."""
     store = dist.PrefixStore("test/", dist.distributed_c10d._get_default_store())
-    cadence = _Cadence(every_minutes=plan.get("minutes"), every_steps=plan.get("steps"))
+    clock = _clock(every_minutes=plan.get("minutes"), every_steps=plan.get("steps"))
     control = StepControl(
-        signals=["SIGTERM", "SIGUSR1"], store=store, rank=rank, world_size=world_size,
-        cadence=cadence,
-    )  # fmt: skip
+        signals=["SIGTERM", "SIGUSR1"], store=store, rank=rank, world_size=world_size
+    )
     saves, stop_step, stop = [], None, None
     with control:
         for step in range(1, 200):
@@ -148,10 +153,10 @@ def _lockstep(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any
                 thread.join()
             if rank == 0 and plan.get("slow"):
                 time.sleep(0.002)  # rank 0 lags: the others read the store first
-            actions = control.after_step(step)
+            actions = _ask(control, clock, step, rank)
             if actions.save:
                 saves.append(step)
-                cadence.saved()
+                clock.restart()
             if actions.stop is not None:
                 stop_step, stop = step, actions.stop
                 break

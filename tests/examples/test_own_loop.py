@@ -1,8 +1,11 @@
 """The hand-written loop keeps every guarantee: a SIGKILL resumes bit-exact, SIGTERM saves, 75.
 
 Each run is the real ``examples/own_loop.py`` on 2 CPU processes, with timm's
-tiny ``test_resnet`` on a small shapes LMDB and a step checkpoint after every
-step. 48 training images, a global batch of 8: 6 steps an epoch, 12 in all.
+tiny ``test_resnet`` on a small shapes LMDB, and every part of the one step
+``fit`` takes too: bf16 autocast, 2 micro-batches per optimizer step, clipping
+and the model's average, with a step checkpoint every 2 optimizer steps. 48
+training images, a global batch of 4: 12 micro-batches and 6 optimizer steps
+an epoch, 12 steps in all.
 The runs that get the faults start their ranks with ``--nproc-per-node 2``
 (``ddpkit.spawn``, fresh interpreters as in a user's job); the reference and
 the resumed runs under torchrun, whose workers start from the suite's server
@@ -17,10 +20,11 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch
 from launched import LIMIT_S, kill_tree, launch, shown, when_step_saved  # type: ignore[import-not-found]
+from nested import assert_nested_equal  # type: ignore[import-not-found]
 from warm import WarmProcess, torchrun_command, torchrun_warm_env  # type: ignore[import-not-found]
 
 import ddpkit
@@ -51,10 +55,16 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _shapes(tmp_path_factory.mktemp("shapes"), 16)
 
 
+# The step's every part, as fit's: mixed precision, accumulation, clipping, the average.
+STEP_FLAGS = ("--amp", "bf16", "--grad-accum-steps", "2", "--clip-grad", "1.0",
+              "--model-ema", "--model-ema-decay", "0.999")  # fmt: skip
+
+
 def _flags(data: Path, checkpoints: Path, *extra: str) -> list[str]:
     return [str(SCRIPT), "--data", str(data), "--arch", "test_resnet", "--image-size", "32",
-            "-b", "8", "--epochs", "2", "--lr", "0.05", "--milestones", "1",
-            "--checkpoints", str(checkpoints), "--save-every-steps", "1", *extra]  # fmt: skip
+            "-b", "4", "--epochs", "2", "--lr", "0.05", "--milestones", "1",
+            "--checkpoints", str(checkpoints), "--save-every-steps", "2", *STEP_FLAGS,
+            *extra]  # fmt: skip
 
 
 def _command(data: Path, checkpoints: Path, *extra: str) -> list[str]:
@@ -74,32 +84,30 @@ def _run(data: Path, checkpoints: Path, *extra: str) -> str:
     return out
 
 
-def _weights(checkpoints: Path) -> dict[str, torch.Tensor]:
-    return load_checkpoint(checkpoints / "latest.pth")["model"]
+def _weights(checkpoints: Path) -> dict[str, Any]:
+    """What must be equal: the model, its average and the optimizer (momentum included)."""
+    saved = load_checkpoint(checkpoints / "latest.pth")
+    return {"model": saved["model"], "ema": saved["ema"], "optimizer": saved["optimizer"]}
 
 
 @pytest.fixture(scope="module")
-def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     checkpoints = tmp_path_factory.mktemp("reference")
     out = _run(data, checkpoints)
     assert "epoch 2/2: step 12, val acc1" in out, shown(out)
     return _weights(checkpoints)
 
 
-def _assert_equal(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
-    assert weights.keys() == reference.keys()
-    for key, value in reference.items():
-        assert torch.equal(weights[key], value), key
-
-
 @pytest.mark.timeout(3 * LIMIT_S)
 def test_a_sigkill_mid_epoch_resumes_bit_exact(
-    data: Path, reference: dict[str, torch.Tensor], tmp_path: Path
+    data: Path, reference: dict[str, Any], tmp_path: Path
 ) -> None:
     checkpoints = tmp_path / "killed"
 
     def kill(proc: WarmProcess) -> None:
-        when_step_saved(checkpoints, 8)  # in epoch 2
+        when_step_saved(checkpoints, 8)  # in epoch 2 (steps 7-12)
+        # At once: the ranks are in step 9's window, its first micro-batch done or on the
+        # way, its gradients accumulated under no_sync and never stepped.
         kill_tree(proc.pid)  # the parent and both ranks, as a lost node would
 
     code, out = launch(_command(data, checkpoints), _env(), ROOT, kill)
@@ -111,19 +119,19 @@ def test_a_sigkill_mid_epoch_resumes_bit_exact(
     assert 8 <= int(resumed.group(1)) < 12
     assert "epoch 1/2" not in out
     assert "epoch 2/2: step 12" in out, shown(out)
-    _assert_equal(_weights(checkpoints), reference)
+    assert_nested_equal(_weights(checkpoints), reference)
 
 
 @pytest.mark.timeout(3 * LIMIT_S)
 def test_sigterm_saves_and_exits_75_and_a_changed_data_set_is_refused(
-    data: Path, reference: dict[str, torch.Tensor], tmp_path: Path
+    data: Path, reference: dict[str, Any], tmp_path: Path
 ) -> None:
     checkpoints = tmp_path / "stopped"
 
     def term(proc: WarmProcess) -> None:
         # In epoch 1 (steps 1-6): the ranks may be a few steps past the saved one when the
-        # signal lands (3 past it on a loaded machine), so the first step's file sends it.
-        when_step_saved(checkpoints, 1)
+        # signal lands (3 past it on a loaded machine), so the first step file sends it.
+        when_step_saved(checkpoints, 2)
         proc.send_signal(signal.SIGTERM)
 
     code, out = launch(_command(data, checkpoints), _env(), ROOT, term)
@@ -131,7 +139,8 @@ def test_sigterm_saves_and_exits_75_and_a_changed_data_set_is_refused(
     assert (checkpoints / "interrupted.pth").exists()
     stopped = load_checkpoint(checkpoints / "interrupted.pth")["position"]
     assert stopped["epoch"] == 0
-    assert 1 <= stopped["step"] < 6  # mid-epoch
+    assert 2 <= stopped["step"] < 6  # mid-epoch
+    assert stopped["batches"] == 2 * stopped["step"]  # after a window's last micro-batch
     # Other data (more images): the rest of the epoch would be another order. Refused.
     other = _shapes(tmp_path / "other", 20)
     code, out = _torchrun(other, checkpoints, "--resume")
@@ -140,4 +149,4 @@ def test_sigterm_saves_and_exits_75_and_a_changed_data_set_is_refused(
     assert "Resume with the data it was saved with" in out
     # The data it was saved with: it goes on, to the uninterrupted run's weights.
     out = _run(data, checkpoints, "--resume")
-    _assert_equal(_weights(checkpoints), reference)
+    assert_nested_equal(_weights(checkpoints), reference)

@@ -38,12 +38,15 @@ def _batches(n: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _run(lr: float = 0.0, criterion: Any = None, **config: Any) -> Run:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
+    state = TrainingState(model, CountingSGD(model.parameters(), lr=lr))
+    settings = TrainConfig(normalize=None, **config)
+    faults = FaultConfig(stop_signals=())  # no handlers to undo
     return Run(
-        state=TrainingState(model, CountingSGD(model.parameters(), lr=lr)),
+        state=state,
         criterion=criterion or nn.CrossEntropyLoss(),
-        config=TrainConfig(normalize=None, **config),
+        config=settings,
         device=torch.device("cpu"),
-        guard=StepGuard(faults=FaultConfig(stop_signals=())).__enter__(),  # no handlers to undo
+        guard=StepGuard(state=state, config=settings, faults=faults).__enter__(),
         reporter=Reporter(ReportConfig(progress=False), is_main=True),
     )
 
@@ -68,14 +71,14 @@ def test_the_record_is_the_exact_mean_loss_over_the_epochs_samples() -> None:
     assert record["train_samples"] == 12
     assert record["train_loss"] == pytest.approx(float(expected.mean()), rel=1e-6)
     assert record["lr"] == 0.0
-    assert run.step == 3
+    assert run.guard.step == 3
     assert _steps(run) == 3
     assert run.state.model.training
 
 
 def test_the_running_totals_of_a_resumed_epoch_are_carried_on() -> None:
     run = _run()
-    run.guard.start = Position(epoch=0, batches=1, samples=4, step=1)
+    run.state.advance(Position(epoch=0, batches=1, samples=4, step=1))  # where a resume stood
     carried = {"loss_sum": 8.0, "samples": 4, "seconds": 1.0, "data_seconds": 0.0}
     record = train_epoch(run, _batches(3), 0, 1, carried)
     assert record["train_samples"] == 4 + 8  # the carried 4, then batches 2 and 3
@@ -87,7 +90,7 @@ def test_an_iterable_without_a_length_ends_with_a_counted_step() -> None:
 
     run = _run(lr=0.1, grad_accum=2)
     train_epoch(run, stream(), 0, 1, None)
-    assert run.step == _steps(run) == 3  # after batches 2 and 4, and batch 5's own step
+    assert run.guard.step == _steps(run) == 3  # after batches 2 and 4, and batch 5's own step
     assert run.state.position == Position(0, 5, 20, 3, 1)
     assert all(p.grad is None for p in run.state.model.parameters())
 
@@ -95,7 +98,7 @@ def test_an_iterable_without_a_length_ends_with_a_counted_step() -> None:
 def test_a_sized_loader_counts_its_short_last_step() -> None:
     run = _run(lr=0.1, grad_accum=2)
     train_epoch(run, _batches(5), 0, 1, None)
-    assert run.step == _steps(run) == 3
+    assert run.guard.step == _steps(run) == 3
 
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
@@ -127,11 +130,11 @@ def test_train_config_refuses_values_of_the_wrong_kind(fields: dict[str, Any], m
 
 def test_a_stop_for_an_error_or_a_signal_without_checkpoints() -> None:
     run = _run()
-    run.guard.step = 7
+    run.state.advance(Position(step=7))
     with pytest.raises(CheckpointError, match=r"a checkpoint write failed \(rank 1: disk full\)"):
-        run.guard._stop(Stop("error", "rank 1: disk full"), Position(step=7), {})
+        run.guard._stop(Stop("error", "rank 1: disk full"), mid_epoch=True)
     with pytest.raises(Preempted) as info:
-        run.guard._stop(Stop("signal", "SIGTERM"), Position(step=7), {})
+        run.guard._stop(Stop("signal", "SIGTERM"), mid_epoch=True)
     assert (info.value.signal_name, info.value.step, info.value.checkpoint) == ("SIGTERM", 7, None)
 
 

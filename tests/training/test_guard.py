@@ -125,5 +125,5 @@ def test_after_step_takes_a_position_too_and_counts_steps_without_a_manager() ->
 
 
 def test_the_guard_must_be_entered() -> None:
-    with pytest.raises(AssertionError, match="context manager"):
+    with pytest.raises(RuntimeError, match="with StepGuard"):
         StepGuard().after_step(Position(step=1))

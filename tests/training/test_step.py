@@ -1,0 +1,363 @@
+"""One step for every loop: ``StepGuard.forward`` / ``backward`` are the step ``fit`` takes.
+
+The optimizer step has one call site in the package; a loop of your own that
+calls the guard's step trains the very weights ``fit`` trains (mixed precision,
+accumulation under ``no_sync``, clipping, the average, a per-step schedule);
+the run's progress lives in the ``TrainingState`` only; the manager has one
+save verb; and the end of a guard's block leaves every checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from nested import assert_nested_equal  # type: ignore[import-not-found]
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import ddpkit
+from ddpkit import (
+    CheckpointManager,
+    FaultConfig,
+    Position,
+    ReportConfig,
+    StepGuard,
+    TrainConfig,
+    TrainingState,
+    load_checkpoint,
+)
+from ddpkit._graveyard import DdpkitDeprecationWarning
+from ddpkit.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_SIGNALS = FaultConfig(stop_signals=())
+
+
+class _Labelled(Dataset[tuple[torch.Tensor, int]]):
+    """20 samples of 6 features with ``targets``: a training set with an identity."""
+
+    def __init__(self, count: int = 20) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(count, 6, generator=g)
+        self.targets = [i % 3 for i in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.x[index], self.targets[index]
+
+
+def _loader(rank: int, world: int, count: int = 20) -> DataLoader[Any]:
+    data = _Labelled(count)
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=1)
+    return DataLoader(data, batch_size=2, sampler=sampler)
+
+
+def _parts(world: int) -> tuple[nn.Module, Any, Any, Any]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    model = ddpkit.wrap_ddp(net, sync_bn=False) if world > 1 else net
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return model, optimizer, scheduler, ddpkit.model_ema(model, decay=0.9)
+
+
+# fit's every part of a step: bf16, a window of 2 (5 micro-batches an epoch: the last
+# window is short), clipping, the average, a schedule stepped after each optimizer step.
+CONFIG = TrainConfig(
+    amp="bf16", grad_accum=2, clip_grad_norm=0.05, normalize=None, scheduler_per_step=True
+)
+
+
+def _state_of(model: nn.Module, optimizer: Any, ema: Any) -> dict[str, Any]:
+    return {
+        "model": {k: v.clone() for k, v in ddpkit.unwrap_model(model).state_dict().items()},
+        "ema": {k: v.clone() for k, v in ema.state_dict().items()},
+        "optimizer": optimizer.state_dict(),
+    }
+
+
+def _counting(model: Any, calls: dict[str, int]) -> None:
+    """Count DDP's gradient all-reduces (the default all-reduce, through a hook)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def counted(process_group, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations
+        calls["reduces"] += 1
+        return allreduce_hook(process_group, bucket)
+
+    model.register_comm_hook(None, counted)
+
+
+def _fit_and_own_loop(rank: int, world: int) -> dict[str, Any]:
+    criterion = nn.CrossEntropyLoss()
+    model, optimizer, scheduler, ema = _parts(world)
+    _counting(model, {"reduces": 0})  # the same all-reduce as the loop's below
+    ddpkit.fit(model, _loader(rank, world), optimizer, criterion=criterion, epochs=2,
+               scheduler=scheduler, ema=ema, config=CONFIG, faults=NO_SIGNALS,
+               report=ReportConfig(progress=False))  # fmt: skip
+    by_fit = _state_of(model, optimizer, ema)
+
+    model, optimizer, scheduler, ema = _parts(world)
+    calls = {"reduces": 0}
+    _counting(model, calls)  # one all-reduce per window, not per micro-batch
+    state = TrainingState(model, optimizer, scheduler, ema=ema)
+    loader = _loader(rank, world)
+    steps = []
+    with StepGuard(state=state, config=CONFIG, faults=NO_SIGNALS) as guard:
+        for epoch in range(2):
+            model.train()
+            part = guard.batches(loader, epoch)
+            for images, targets in part:
+                with guard.forward(part):
+                    loss = criterion(model(images), targets)
+                if guard.backward(loss, part):
+                    steps.append(guard.step)
+            guard.end_epoch(epoch)
+    return {
+        "fit": by_fit,
+        "own": _state_of(model, optimizer, ema),
+        "steps": steps,
+        "reduces": calls["reduces"],
+        "position": state.position,
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+
+
+@pytest.mark.serial
+@pytest.mark.timeout(180)
+def test_a_loop_of_your_own_takes_fits_very_steps_on_two_ranks() -> None:
+    results = run_distributed(_fit_and_own_loop, 2, timeout=150)
+    for rank, result in enumerate(results):
+        assert_nested_equal(result["own"], result["fit"], f"rank {rank}")
+        # 5 micro-batches an epoch in windows of 2: steps after batches 2, 4 and the 5th.
+        assert result["steps"] == [1, 2, 3, 4, 5, 6]
+        assert result["position"] == Position(2, 0, 0, 6, 2, 20, result["position"].data_digest)
+        assert result["lr"] == pytest.approx(0.3 * 0.5**3)  # stepped after every step
+        # no_sync inside a window: one all-reduce per optimizer step (one bucket), not per
+        # micro-batch (10 of them).
+        assert result["reduces"] == 6
+    assert_nested_equal(results[1]["own"]["model"], results[0]["own"]["model"])
+
+
+def test_one_optimizer_step_call_site_in_the_package() -> None:
+    calls = []
+    for path in sorted((ROOT / "ddpkit").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if re.search(r"\b\w*(optim|scaler)\w*\.step\(", code):
+                calls.append(f"{path.relative_to(ROOT)}:{number}")
+    assert len(calls) == 1, calls
+    assert calls[0].startswith("ddpkit/training/guard.py:")
+
+
+def test_fit_and_both_examples_reach_the_guards_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    taken = []
+    original = StepGuard._optimizer_step
+
+    def counted(self: StepGuard, scaler: Any) -> None:
+        taken.append(self.step)
+        original(self, scaler)
+
+    monkeypatch.setattr(StepGuard, "_optimizer_step", counted)
+    model, optimizer, _, _ = _parts(1)
+    ddpkit.fit(model, _loader(0, 1, 8), optimizer, criterion=nn.CrossEntropyLoss(), epochs=1,
+               config=TrainConfig(normalize=None), faults=NO_SIGNALS,
+               report=ReportConfig(progress=False))  # fmt: skip
+    assert len(taken) == 4
+    # The hand-written example's step is the guard's; the main example's is fit's.
+    own = (ROOT / "ddpkit/examples/own_loop.py").read_text()
+    for line in ("guard.backward(loss, part)", "with guard.forward(part):"):
+        assert line in own
+    assert not re.search(r"\.backward\(\)|optimizer\.step", own)
+    main = (ROOT / "ddpkit/examples/seresnext_lmdb.py").read_text()
+    for line in ("ddpkit.fit(", "grad_accum=args.grad_accum_steps"):
+        assert line in main
+
+
+def test_fp16_puts_a_grad_scaler_in_the_state_and_its_checkpoints(tmp_path: Path) -> None:
+    model, optimizer, _, _ = _parts(1)
+    state = TrainingState(model, optimizer)
+    manager = CheckpointManager(tmp_path, state=state)
+    loader = _loader(0, 1, 8)
+    with StepGuard(manager, config=TrainConfig(amp="fp16"), faults=NO_SIGNALS) as guard:
+        assert isinstance(state.scaler, torch.amp.GradScaler)
+        part = guard.batches(loader, 0)
+        for images, targets in part:
+            with guard.forward(part):
+                loss = nn.functional.cross_entropy(model(images), targets)
+            guard.backward(loss, part)
+        guard.end_epoch(0)
+    saved = load_checkpoint(tmp_path / "latest.pth")
+    assert saved["scaler"]["scale"] == state.scaler.get_scale()
+    assert saved["position"]["step"] == 4
+
+
+def test_a_step_without_an_optimizer_says_what_to_bind() -> None:
+    model = nn.Linear(6, 3)
+    with StepGuard(state=TrainingState(model), faults=NO_SIGNALS) as guard:
+        part = guard.batches(_loader(0, 1, 4), 0)
+        for images, targets in part:
+            with guard.forward(part):
+                loss = nn.functional.cross_entropy(model(images), targets)
+            with pytest.raises(TypeError, match=r"bind TrainingState\(model, optimizer"):
+                guard.backward(loss, part)
+            break
+
+
+def test_a_state_other_than_the_managers_is_refused(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, state=TrainingState(nn.Linear(1, 1)))
+    with pytest.raises(ValueError, match="not the TrainingState the CheckpointManager has"):
+        StepGuard(manager, state=TrainingState(nn.Linear(1, 1)))
+
+
+# -- progress in one place -----------------------------------------------------------------
+
+
+def _loop(guard: StepGuard, model: nn.Module, loader: Any, epochs: range) -> None:
+    for epoch in epochs:
+        part = guard.batches(loader, epoch)
+        for images, targets in part:
+            with guard.forward(part):
+                loss = nn.functional.cross_entropy(model(images), targets)
+            guard.backward(loss, part)
+        guard.end_epoch(epoch)
+
+
+def test_progress_lives_in_the_state_and_the_guard_and_manager_read_it(tmp_path: Path) -> None:
+    model, optimizer, _, _ = _parts(1)
+    state = TrainingState(model, optimizer)
+    manager = CheckpointManager(tmp_path, state=state, every_steps=3)
+    loader = _loader(0, 1, 12)
+    with StepGuard(manager, faults=NO_SIGNALS) as guard:
+        _loop(guard, model, loader, range(guard.resume(loader), 1))
+        assert guard.step == state.position.step == 6
+        for holder in (guard, manager):  # no copy of the position, totals or place
+            kept = [k for k, v in vars(holder).items() if isinstance(v, Position)]
+            assert not kept, (type(holder).__name__, kept)
+            assert not {"_step", "_loader_state", "loop", "start"} & set(vars(holder))
+    # A resume writes the progress into the state, and the guard reads it there.
+    model, optimizer, _, _ = _parts(1)
+    state = TrainingState(model, optimizer)
+    manager = CheckpointManager(tmp_path, state=state, every_steps=3)
+    with StepGuard(manager, faults=NO_SIGNALS) as guard:
+        assert guard.resume(loader) == 1
+        assert guard.step == state.position.step == 6
+        assert manager.position == state.position  # the resumed checkpoint's
+
+
+def test_every_epoch_end_position_keeps_the_data_identity(tmp_path: Path) -> None:
+    model, optimizer, _, _ = _parts(1)
+    state = TrainingState(model, optimizer)
+    manager = CheckpointManager(tmp_path, state=state)
+    loader = _loader(0, 1, 12)
+    size, digest = ddpkit.data_identity(loader.dataset)
+    assert digest is not None
+    with StepGuard(manager, faults=NO_SIGNALS) as guard:
+        part = guard.batches(loader, 0)
+        for _ in part:
+            guard.after_step(part)  # a loop that takes its step itself: the count alone
+        guard.end_epoch(0)
+    manager.flush()  # nothing left to wait for: the block's end waited
+    saved = load_checkpoint(tmp_path / "latest.pth")["position"]
+    assert (saved["epoch"], saved["step"], saved["data_size"], saved["data_digest"]) == (
+        1, 6, size, digest
+    )  # fmt: skip
+    # The deprecated epoch save builds the same position: one epoch-end position.
+    with pytest.warns(DdpkitDeprecationWarning):
+        manager.save(1)
+    saved = load_checkpoint(tmp_path / "latest.pth")["position"]
+    assert (saved["epoch"], saved["step"], saved["data_size"], saved["data_digest"]) == (
+        2, 6, size, digest
+    )  # fmt: skip
+
+
+# -- one save verb -------------------------------------------------------------------------
+
+
+def test_save_and_save_step_are_deprecated_with_one_warning_each(tmp_path: Path) -> None:
+    state = TrainingState(nn.Linear(2, 2))
+    manager = CheckpointManager(tmp_path, state=state, keep_steps=5)
+    with pytest.warns(DeprecationWarning, match=r"save_step.*removed in ddpkit 0\.3") as seen:
+        manager.save_step(Position(0, 1, 4, 1, 1), loop={"samples": 4})
+    assert len(seen) == 1
+    assert load_checkpoint(tmp_path / "step-000000001.pth")["loop"] == [{"samples": 4}]
+    with pytest.warns(DeprecationWarning, match=r"CheckpointManager\.save\(epoch") as seen:
+        manager.save(0, metrics={"acc1": 1.0})
+    assert len(seen) == 1
+    assert load_checkpoint(tmp_path / "latest.pth")["position"]["epoch"] == 1
+    # The one verb warns of nothing.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state.advance(Position(1, 1, 4, 2, 1))
+        manager.checkpoint("step")
+    assert (tmp_path / "step-000000002.pth").exists()
+
+
+def test_the_cadence_is_one_module_and_distributed_imports_no_checkpoint() -> None:
+    distributed = ROOT / "ddpkit" / "distributed"
+    for path in distributed.rglob("*.py"):
+        imports = [
+            line
+            for line in path.read_text().splitlines()
+            if line.lstrip().startswith(("import ", "from ")) and "checkpoint" in line
+        ]
+        assert not imports, (path.name, imports)
+    manager = CheckpointManager("unused", every_steps=2)
+    for gone in ("step_due", "time_due", "every_steps", "every_minutes", "_last_save"):
+        assert not hasattr(manager, gone), gone
+    assert manager.clock.due(4, timed=False) == (True, False)
+
+
+# -- the end of the block ------------------------------------------------------------------
+
+_ENDS = """
+import os, sys, torch
+from torch import nn
+import ddpkit
+
+directory = sys.argv[1]
+torch.manual_seed(0)
+model = nn.Linear(1024, 1024)  # 4 MiB of weights: a write that takes a while
+torch.save(model.state_dict(), os.path.join(directory, "expected.pt"))
+for how in ("epoch", "step", "error"):  # each in a process of its own, ended after the block
+    if os.fork():
+        os.wait()
+        continue
+    state = ddpkit.TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    manager = ddpkit.CheckpointManager(os.path.join(directory, how), state=state, every_steps=1)
+    try:
+        with ddpkit.StepGuard(manager, faults=ddpkit.FaultConfig(stop_signals=())) as guard:
+            if how == "step":  # a step checkpoint, in the background
+                guard.after_step(ddpkit.Position(0, 1, 4, 1, 1))
+            else:  # the epoch's checkpoint, in the background
+                guard.end_epoch(0)
+            if how == "error":
+                raise RuntimeError("the loop failed")
+    except RuntimeError:
+        os._exit(3)  # no interpreter shutdown: nothing joins a thread after this
+    os._exit(0)
+"""
+
+
+def test_the_end_of_the_block_leaves_every_checkpoint_on_disk(tmp_path: Path) -> None:
+    script = tmp_path / "ends.py"
+    script.write_text(textwrap.dedent(_ENDS))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], timeout=120,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    for how, name in (("epoch", "latest.pth"), ("step", "step-000000001.pth"),
+                      ("error", "latest.pth")):  # fmt: skip
+        saved = load_checkpoint(tmp_path / how / name)
+        assert torch.equal(saved["model"]["weight"], expected["weight"]), how
+        assert not list((tmp_path / how).glob("*.tmp*")), how
