@@ -161,7 +161,6 @@ class CheckpointManager:
         self.resumed_extra: dict[str, Any] = {}
         self._generation: int | None = None
         self._latest_damaged = False
-        self._saves = self._flushed = 0  # checkpoint() calls, and how many flush() covered
         self._writer = BackgroundWriter()
         # The host copy of the last background save, written into by the next one.
         self._spare: Any = None
@@ -206,7 +205,10 @@ class CheckpointManager:
         if passed:
             if "model" in passed:  # save(epoch, model, optimizer, ...): bound, as 0.1 did
                 pieces = {k: v for k, v in given.items() if k != "model"}
-                self.bind(TrainingState(given["model"], **pieces))
+                old, new = self.state, TrainingState(given["model"], **pieces)
+                if old is not None:  # the run's progress goes on in the new bag
+                    new.advance(old.position, loop=old.loop, loader_state=old.loader_state)
+                self.bind(new)
             elif self.state is not None:  # an average given alone joins the bound state
                 self.state.ema = passed.get("ema", self.state.ema)
         if self.state is None:
@@ -380,7 +382,6 @@ class CheckpointManager:
                 # The last copy's write is done (joined above): its host memory is reused.
                 self._spare = snapshot(record, reuse=self._spare)
                 self._writer.submit(functools.partial(self._write, self._spare, improved))
-        self._saves += 1
         if block:
             share_outcome(error, kind)
         self.best_acc1, self._best_epoch = best
@@ -402,16 +403,12 @@ class CheckpointManager:
     def flush(self) -> None:
         """Wait for every rank's background write; if one failed, raise on every rank.
 
-        All ranks must call this, or it deadlocks. Nothing to do (and no
-        collective) when no checkpoint was taken since the last flush.
+        All ranks must call this, or it deadlocks.
 
         Raises:
             CheckpointError: (or the write's own error, on its rank) a write failed.
         """
         self._writer.join()
-        if self._flushed == self._saves:
-            return
-        self._flushed = self._saves
         self._spare = None  # the end of training: the host copy is not needed any more
         failed = self._writer.error
         reports = all_gather_object(describe_error(failed))
@@ -520,9 +517,21 @@ class CheckpointManager:
 
 
 def _objects(objects: tuple[Any, ...], options: dict[str, Any]) -> dict[str, Any]:
-    """The objects a call of ddpkit 0.1's form passed (positional or by name), by field name."""
-    given = dict(zip(_PIECES, objects, strict=False))
-    return {name: given.get(name, options.pop(name, None)) for name in (*_PIECES, "ema")}
+    """The objects a call of 0.1's form passed (positional or by name), checked before any change.
+
+    Raises:
+        TypeError: more than four objects, one given twice, or an unknown keyword.
+    """
+    named = {k: options.pop(k) for k in (*_PIECES, "ema") if k in options}
+    twice = [k for k in _PIECES[: len(objects)] if k in named]
+    unknown = sorted(set(options) - {"metrics", "extra", "block"})
+    if len(objects) > len(_PIECES) or twice or unknown:
+        raise TypeError(
+            "CheckpointManager.save / save_step take the objects model, optimizer, scheduler, "
+            f"scaler (each once) and metrics=, extra=, block=, ema=; got {len(objects)} "
+            f"objects, twice: {twice}, unknown: {unknown}"
+        )
+    return {**dict(zip(_PIECES, objects, strict=False)), **named}
 
 
 _PIECES = ("model", "optimizer", "scheduler", "scaler")

@@ -33,7 +33,10 @@ VALUES = ("model", "position", "loop", "loader_state", "extra")
 _WHAT = {
     "optimizer": ("optimizer", "pass optimizer=None to resume"),
     "scheduler": ("scheduler", "pass scheduler=None to resume"),
-    "scaler": ("GradScaler", "pass scaler=None to resume"),
+    "scaler": (
+        "GradScaler",
+        "it was saved without fp16: resume with its precision (no amp='fp16'), or scaler=None",
+    ),
     "ema": (
         "model average (EMA)",
         "it was saved without one. Resume without ema= (fit(ema=None), no --model-ema), or "

@@ -62,6 +62,7 @@ class EpochBatches:
         epoch: the epoch.
         done: batches of the epoch this rank consumed so far, those before
             the start included.
+        first: ``done`` at the start: the epoch's index of the first batch yielded.
         samples: samples of the epoch's order all ranks consumed so far.
         total: batches of the whole epoch on this rank (the fewest any rank
             has); None if unknown.
@@ -92,7 +93,7 @@ class EpochBatches:
         world_size: int = 1,
         data: tuple[int | None, str | None] = (None, None),
     ) -> None:
-        self.batches, self.done, self.total = batches, done, total
+        self.batches, self.done, self.total, self.first = batches, done, total, done
         self.step_samples, self.epoch, self.samples = step_samples, epoch, samples
         self.world_size, self.data, self.last = world_size, data, False
         self.dropped = 0

@@ -69,7 +69,7 @@ class StepGuard:
     ``faults.stop_signals`` (put back on exit) and, with ``faults.hang_timeout``,
     starts a :class:`~ddpkit.distributed.HangWatchdog`. Leaving it, normally or
     by an exception, waits until every checkpoint it started is on disk
-    (normally, a failed write is raised on every rank: a collective).
+    (each rank its own write, alone; normally, its failure is raised).
 
     The run's progress lives in the :class:`~ddpkit.checkpoint.TrainingState`
     only; the guard reads and advances it there.
@@ -79,7 +79,7 @@ class StepGuard:
             is what every checkpoint holds (bind one before :meth:`resume`).
             None: nothing is saved, stops still agreed.
         state: the training state; default the manager's (given, it is bound
-            to a manager that has none).
+            to the manager).
         config: how each step runs (:class:`~ddpkit.TrainConfig`); with
             ``amp="fp16"`` a GradScaler joins a state that has none.
         faults: the stop signals, the hang watchdog and what a resume on other
@@ -89,9 +89,6 @@ class StepGuard:
 
     Attributes:
         watchdog: the hang watchdog, or None.
-
-    Raises:
-        ValueError: ``state`` is not the state ``checkpoints`` has bound.
     """
 
     def __init__(
@@ -103,14 +100,8 @@ class StepGuard:
         faults: FaultConfig | None = None,
         report_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        if state is not None and checkpoints is not None:
-            if checkpoints.state is None:
-                checkpoints.bind(state)
-            elif checkpoints.state is not state:
-                raise ValueError(
-                    "StepGuard(state=...) is not the TrainingState the CheckpointManager has "
-                    "bound; pass one of them (the manager's state is the one it saves)"
-                )
+        if state is not None and checkpoints is not None and checkpoints.state is not state:
+            checkpoints.bind(state)  # the manager saves what the guard trains
         self.checkpoints, self.config = checkpoints, config or TrainConfig()
         self.faults = faults or FaultConfig()
         default = checkpoints.directory if checkpoints is not None else None
@@ -121,15 +112,13 @@ class StepGuard:
         self._world, self._rank = comm.get_world_size(), comm.get_rank()
         self._stack = contextlib.ExitStack()
         self._plain: Any = None  # without fp16: a disabled GradScaler, which steps plainly
+        self._handed: int | None = None  # the epoch batches() last handed out
 
     @property
     def state(self) -> TrainingState:
         """The run's one bag: ``state=``, else the manager's bound one (else progress only)."""
-        if self._state is not None:
-            return self._state
-        if self.checkpoints is not None and self.checkpoints.state is not None:
-            return self.checkpoints.state
-        return self._own
+        bound = self.checkpoints.state if self.checkpoints is not None else None
+        return self._state or bound or self._own
 
     @property
     def step(self) -> int:
@@ -149,10 +138,8 @@ class StepGuard:
                     world_size=self._world,
                 )
             )
-            state, kind = self.state, self._device().type
-            self._plain = torch.amp.GradScaler(kind, enabled=False)
-            if self.config.amp == "fp16" and state.scaler is None and state is not self._own:
-                state.scaler = torch.amp.GradScaler(kind)  # saved with the state
+            self._plain = torch.amp.GradScaler(self._device().type, enabled=False)
+            self._fp16_scaler()
             if self.faults.hang_timeout is not None:
                 from ddpkit.distributed.watchdog import HangWatchdog  # its thread: only if asked
 
@@ -169,16 +156,9 @@ class StepGuard:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
-        try:
-            manager = self.checkpoints
-            if manager is not None:  # every checkpoint this block started is on disk
-                self.progress("save")
-                if kind is None:
-                    manager.flush()  # a failed write raises, on every rank
-                else:  # the error in flight is the one to see; the file is completed
-                    manager.wait(raise_error=False)
-        finally:
-            self._stack.close()
+        self._stack.close()
+        if self.checkpoints is not None:  # on disk: this rank's write, alone (a rank may be gone)
+            self.checkpoints.wait(raise_error=kind is None)
 
     def progress(self, phase: str) -> None:
         """Tell the hang watchdog (if any) where this rank is, at the current step."""
@@ -208,6 +188,7 @@ class StepGuard:
         manager = self.checkpoints
         if manager is None:
             return 0
+        self._fp16_scaler()  # before the restore, which fills it
         manager.resume(path=path, strict_rng=False)
         if manager.resumed is None:
             claim_directory(manager.directory, writes=manager.writes, overwrite=manager.overwrite)
@@ -292,9 +273,9 @@ class StepGuard:
         :func:`ddpkit.epoch_batches`), else the whole epoch; watched by the
         watchdog (:meth:`watched`).
         """
-        state = self.state
-        at = state.position
-        start = at if at.epoch == epoch and at.mid_epoch else None
+        state, at, fresh = self.state, self.state.position, self._handed != epoch
+        self._handed = epoch  # a second call in the epoch is the whole epoch, not a resume
+        start = at if fresh and at.epoch == epoch and at.mid_epoch else None
         place = state.loader_state if start is not None else None
         part = epoch_batches(
             loader, epoch, start, world_size=self._world, rank=self._rank, loader_state=place
@@ -327,7 +308,7 @@ class StepGuard:
         window's last micro-batch. A forward outside it is correct, only slower
         with ``grad_accum`` > 1 (every micro-batch all-reduces).
         """
-        model, amp = self.state.model, self.config.amp
+        model, amp = self._stepping().model, self.config.amp
         with no_sync(model, enabled=not self._closes(part)), autocast(self._device(), amp):
             yield
 
@@ -349,17 +330,19 @@ class StepGuard:
             Preempted, CheckpointError: as :meth:`after_step`.
             TypeError: the state has no optimizer.
         """
-        self._control()  # entered: its disabled GradScaler is made there
-        accum, batch = self.config.grad_accum, part.done - 1
-        count = _group_size(batch, part.total if part.exact else None, accum)
-        scaler = self.state.scaler or self._plain  # fp16's, else a disabled one: one path
+        state, accum, batch = self._stepping(), self.config.grad_accum, part.done - 1
+        # The step's window: every accum batches of the epoch, from the part's first at most.
+        first = max(batch - batch % accum, part.first)
+        end = batch - batch % accum + accum
+        count = (end if part.total is None or not part.exact else min(end, part.total)) - first
+        scaler = state.scaler or self._plain  # fp16's, else a disabled one: one path
         # Dividing by 1 would add a kernel and an autograd node to every step.
         scaler.scale(loss / count if count > 1 else loss).backward()
         if not self._closes(part):
             return False
-        held = batch % accum + 1  # micro-batches in this step
+        held = batch - first + 1  # micro-batches in this step
         if held < count:  # an unsized epoch ended early: the mean of those it holds
-            _scale_gradients(self.state.model, count / held)
+            _scale_gradients(state.model, count / held)
         self._optimizer_step(scaler)
         self.after_step(part, loop=loop)
         return True
@@ -368,15 +351,33 @@ class StepGuard:
         """Whether the micro-batch ``part`` just yielded closes an accumulation window."""
         return part.done % self.config.grad_accum == 0 or part.last
 
+    def _stepping(self) -> TrainingState:
+        """The state a step trains, checked: entered, with an optimizer (fp16: a GradScaler)."""
+        self._control()
+        state = self.state
+        if state.optimizer is None:
+            raise TypeError(
+                "StepGuard.forward() / backward() step the state's optimizer, and it has none: "
+                "bind TrainingState(model, optimizer, ...) to the CheckpointManager or pass state="
+            )
+        if state.scaler is None and self.config.amp == "fp16":
+            self._fp16_scaler()
+        return state
+
+    def _fp16_scaler(self) -> None:
+        """With fp16, a GradScaler in a state that has none (so it is saved and restored)."""
+        state, manager = self.state, self.checkpoints
+        if self.config.amp != "fp16" or state.scaler is not None or state is self._own:
+            return
+        state.scaler = torch.amp.GradScaler(self._device().type)
+        if manager is not None and manager.resumed is not None and self.control is not None:
+            msg = "the fp16 GradScaler starts afresh: resume with guard.resume() to restore it"
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
     def _optimizer_step(self, scaler: Any) -> None:
         """Clip, step, zero, average, schedule: the one optimizer step in ddpkit."""
         state, clip = self.state, self.config.clip_grad_norm
         optimizer = state.optimizer
-        if optimizer is None:
-            raise TypeError(
-                "StepGuard.backward() steps the state's optimizer, and it has none: bind "
-                "TrainingState(model, optimizer, ...) to the CheckpointManager or pass state="
-            )
         if clip is not None:
             scaler.unscale_(optimizer)  # clip the true gradients (nothing to do unscaled)
             nn.utils.clip_grad_norm_(state.model.parameters(), clip)
@@ -503,18 +504,6 @@ class StepGuard:
             Preempted(stop.detail).code,
         )
         raise Preempted(stop.detail, str(path) if path is not None else None, self.step)
-
-
-def _group_size(index: int, total: int | None, accum: int) -> int:
-    """Micro-batches in the optimizer step of micro-batch ``index`` (an epoch's last may be short).
-
-    Unknown for a loader without a length: ``accum`` (the last step's gradient is then
-    smaller than a full step's).
-    """
-    if total is None or accum == 1:
-        return accum
-    first = index - index % accum
-    return min(accum, total - first)
 
 
 def _scale_gradients(model: nn.Module, factor: float) -> None:

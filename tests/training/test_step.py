@@ -200,22 +200,64 @@ def test_fp16_puts_a_grad_scaler_in_the_state_and_its_checkpoints(tmp_path: Path
     assert saved["position"]["step"] == 4
 
 
-def test_a_step_without_an_optimizer_says_what_to_bind() -> None:
+def test_a_step_without_an_optimizer_says_what_to_bind_before_any_backward() -> None:
     model = nn.Linear(6, 3)
-    with StepGuard(state=TrainingState(model), faults=NO_SIGNALS) as guard:
-        part = guard.batches(_loader(0, 1, 4), 0)
-        for images, targets in part:
-            with guard.forward(part):
-                loss = nn.functional.cross_entropy(model(images), targets)
-            with pytest.raises(TypeError, match=r"bind TrainingState\(model, optimizer"):
-                guard.backward(loss, part)
-            break
+    for state in (TrainingState(model), None):  # no optimizer; no state at all
+        with StepGuard(state=state, faults=NO_SIGNALS) as guard:
+            part = guard.batches(_loader(0, 1, 4), 0)
+            for _ in part:
+                with pytest.raises(TypeError, match=r"bind TrainingState\(model, optimizer"):
+                    guard.forward(part).__enter__()
+                break
+        assert all(p.grad is None for p in model.parameters())
 
 
-def test_a_state_other_than_the_managers_is_refused(tmp_path: Path) -> None:
+def test_a_state_given_with_a_manager_is_the_one_it_saves(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, state=TrainingState(nn.Linear(1, 1)))
-    with pytest.raises(ValueError, match="not the TrainingState the CheckpointManager has"):
-        StepGuard(manager, state=TrainingState(nn.Linear(1, 1)))
+    mine = TrainingState(nn.Linear(1, 1))
+    assert StepGuard(manager, state=mine).state is mine
+    assert manager.state is mine
+
+
+def test_fp16_adds_a_scaler_to_a_state_bound_after_the_guard_was_entered(tmp_path: Path) -> None:
+    model, optimizer, _, _ = _parts(1)
+    manager = CheckpointManager(tmp_path)
+    with StepGuard(manager, config=TrainConfig(amp="fp16"), faults=NO_SIGNALS) as guard:
+        manager.bind(TrainingState(model, optimizer))
+        assert guard.resume(_loader(0, 1, 4)) == 0
+        assert isinstance(manager.state.scaler, torch.amp.GradScaler)
+
+
+def test_a_second_loader_in_the_same_epoch_is_read_whole() -> None:
+    model, optimizer, _, _ = _parts(1)
+    state = TrainingState(model, optimizer)
+    with StepGuard(state=state, faults=NO_SIGNALS) as guard:
+        counts = []
+        for loader in (_loader(0, 1, 8), _loader(0, 1, 8)):
+            part = guard.batches(loader, 0)
+            counts.append(sum(1 for _ in part))
+            guard.after_step(part)  # the state stands mid-epoch 0 now
+    assert counts == [4, 4]
+
+
+def test_a_window_cut_by_a_resume_is_the_mean_of_the_batches_it_holds() -> None:
+    # Resumed after 3 batches with windows of 2 (the accumulation changed on resume): the
+    # first step holds batch 3 alone and is its gradient, not half of it.
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3, bias=False)
+    state = TrainingState(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    state.advance(Position(0, 3, 6, 1, 1))
+    loader = [(torch.randn(2, 6), torch.tensor([0, 1])) for _ in range(6)]
+    config = TrainConfig(grad_accum=2, normalize=None)
+    with StepGuard(state=state, config=config, faults=NO_SIGNALS) as guard:
+        part = guard.batches(loader, 0)
+        images, targets = next(iter(part))
+        before = model.weight.detach().clone()
+        with guard.forward(part):
+            loss = nn.functional.cross_entropy(model(images), targets)
+        (grad,) = torch.autograd.grad(loss, model.weight, retain_graph=True)
+        assert guard.backward(loss, part)  # batch 3 closes its window
+        assert torch.allclose(before - model.weight.detach(), grad)
 
 
 # -- progress in one place -----------------------------------------------------------------
@@ -303,6 +345,31 @@ def test_save_and_save_step_are_deprecated_with_one_warning_each(tmp_path: Path)
     assert (tmp_path / "step-000000002.pth").exists()
 
 
+def test_the_former_objects_form_keeps_the_runs_step_and_refuses_bad_arguments(
+    tmp_path: Path,
+) -> None:
+    model, optimizer, _, _ = _parts(1)
+    manager = CheckpointManager(tmp_path)
+    with pytest.warns(DeprecationWarning, match="save_step"):
+        manager.save_step(Position(0, 5, 40, 5, 1), model, optimizer)
+    with pytest.warns(DeprecationWarning, match="save"):
+        manager.save(0, model, optimizer)  # binds a new bag: the run's step goes on in it
+    assert load_checkpoint(tmp_path / "latest.pth")["position"]["step"] == 5
+    assert manager.state is not None
+    before = manager.state.position
+    for call in (
+        lambda: manager.save(1, metric={"acc1": 1.0}),  # a typo
+        lambda: manager.save(1, model, optimizer, None, None, model),  # five objects
+        lambda: manager.save(1, model, model=model),  # one twice
+    ):
+        with (
+            pytest.warns(DeprecationWarning, match="save"),
+            pytest.raises(TypeError, match="take the objects"),
+        ):
+            call()
+        assert manager.state.position == before  # nothing moved
+
+
 def test_the_cadence_is_one_module_and_distributed_imports_no_checkpoint() -> None:
     distributed = ROOT / "ddpkit" / "distributed"
     for path in distributed.rglob("*.py"):
@@ -361,3 +428,31 @@ def test_the_end_of_the_block_leaves_every_checkpoint_on_disk(tmp_path: Path) ->
         saved = load_checkpoint(tmp_path / how / name)
         assert torch.equal(saved["model"]["weight"], expected["weight"]), how
         assert not list((tmp_path / how).glob("*.tmp*")), how
+
+
+def _one_rank_fails_in_the_block(rank: int, world: int, directory: str) -> float:
+    import time
+
+    state = TrainingState(nn.Linear(4, 4))
+    manager = CheckpointManager(directory, state=state)
+    try:
+        with StepGuard(manager, faults=NO_SIGNALS) as guard:
+            guard.end_epoch(0)
+            if rank == 0:
+                raise RuntimeError("rank 0's loop failed")
+    except RuntimeError:
+        time.sleep(8)  # rank 0 handles its error; rank 1 must not wait for it
+        return -1.0
+    return time.monotonic()
+
+
+@pytest.mark.serial
+@pytest.mark.timeout(120)
+def test_the_end_of_the_block_waits_for_no_other_rank(tmp_path: Path) -> None:
+    import time
+
+    began = time.monotonic()
+    results = run_distributed(_one_rank_fails_in_the_block, 2, args=(str(tmp_path),), timeout=90)
+    assert results[0] == -1.0
+    assert results[1] - began < 7  # it left its block at once, not after rank 0's 8 s
+    assert load_checkpoint(tmp_path / "latest.pth")["position"]["epoch"] == 1
