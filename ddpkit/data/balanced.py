@@ -159,7 +159,7 @@ MAX_DRAWS = 2**31
 _CHUNK = 2**16  # positions a rank turns into Python ints at a time
 
 
-class WeightedDistributedSampler(Sampler[tuple[int, int]]):
+class WeightedDistributedSampler(Sampler[int]):
     """Draw an epoch by per-sample weights (or shuffle), repeat each draw, share it over ranks.
 
     The epoch's order over all ranks depends on ``(seed, epoch)`` only:
@@ -169,9 +169,10 @@ class WeightedDistributedSampler(Sampler[tuple[int, int]]):
     the positions ``r, r + R, ...`` (``drop_last``: the first
     ``len(order) // R`` each; otherwise the order wraps around to even them
     out), so every rank has the same number of batches, and with ``repeats
-    <= R`` the copies of a draw are on different ranks. It yields ``(index,
-    position)``: the position seeds that copy's augmentation
-    (``build_loader`` does this).
+    <= R`` the copies of a draw are on different ranks. It yields sample
+    indices, as every torch sampler does, so ``DataLoader(dataset,
+    sampler=...)`` works; :meth:`draws` yields ``(index, position)``, whose
+    position seeds each copy's augmentation (``build_loader`` uses it).
 
     Up to 2**24 samples the draws are ``torch.multinomial(weights,
     replacement=True)``; past that (more than ``torch.multinomial`` takes),
@@ -274,7 +275,12 @@ class WeightedDistributedSampler(Sampler[tuple[int, int]]):
             return self.total // self.num_replicas
         return math.ceil(self.total / self.num_replicas)
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[int]:
+        """This rank's sample indices of the epoch set now, as any torch sampler yields them."""
+        return (index for index, _ in self.draws())
+
+    def draws(self) -> Iterator[tuple[int, int]]:
+        """This rank's ``(index, position)`` pairs: the position seeds a copy's augmentation."""
         # The order is drawn now, for the epoch set now; it is dealt out lazily.
         return self._deal(self.order(self.epoch))
 

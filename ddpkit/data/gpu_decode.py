@@ -171,7 +171,8 @@ class EncodedBatch:
 
     def __init__(self, items: Sequence[Encoded]) -> None:
         self.items = list(items)
-        self.cpu_decoded = sum(1 for item in self.items if item.data is None)
+        self.cpu_decoded = self._by_workers = sum(1 for item in self.items if item.data is None)
+        self._counted = False  # the process's count holds this batch
 
     def __len__(self) -> int:
         return len(self.items)
@@ -203,8 +204,9 @@ class EncodedBatch:
         """
         images = self._decoded(device)
         out = [_planned(image, item) for image, item in zip(images, self.items, strict=True)]
-        with _count_lock:
-            _CPU_DECODED[0] += self.cpu_decoded
+        with _count_lock:  # once per batch, however often it is decoded
+            _CPU_DECODED[0] += 0 if self._counted else self.cpu_decoded
+            self._counted = True
         return torch.stack(out) if out else torch.empty(self.shape, dtype=torch.uint8)
 
     def _decoded(self, device: torch.device) -> list[torch.Tensor]:
@@ -213,6 +215,7 @@ class EncodedBatch:
             for item in self.items
         ]
         jpegs = [i for i, item in enumerate(self.items) if item.data is not None]
+        self.cpu_decoded = self._by_workers  # this decode's count, not added to an earlier one
         if jpegs:
             decoded = _decode_jpegs([self.items[i] for i in jpegs], device)
             for i, image in zip(jpegs, decoded, strict=True):

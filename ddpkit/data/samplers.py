@@ -140,16 +140,16 @@ class EpochRandomSampler(RandomSampler):
 class EpochIndexSampler(Sampler[tuple[int, ...]]):
     """Yield ``(epoch, index)`` pairs, so a worker knows which epoch a sample belongs to.
 
-    A sampler that yields ``(index, draw)`` (one that may draw a sample more
-    than once an epoch, ``WeightedDistributedSampler``) gives ``(epoch,
-    index, draw)``: each draw then has its own augmentation.
+    A sampler with ``draws()`` that yield ``(index, draw)`` (one that may draw
+    a sample more than once an epoch, ``WeightedDistributedSampler``) gives
+    ``(epoch, index, draw)``: each draw then has its own augmentation.
 
     ``set_epoch`` is passed on to the wrapped sampler. An epoch started without
     it follows the previous one (epoch + 1), so forgetting the call no longer
     repeats the first epoch's order and augmentations.
     """
 
-    def __init__(self, inner: Sampler[int] | Sampler[tuple[int, int]]) -> None:
+    def __init__(self, inner: Sampler[int]) -> None:
         super().__init__()
         self.inner = inner
         self.epoch = 0
@@ -176,7 +176,9 @@ class EpochIndexSampler(Sampler[tuple[int, ...]]):
             self.set_epoch(self.epoch + 1)
         self._started, self._epoch_given = True, False
         epoch, skip, self._skip = self.epoch, self._skip, 0
-        rest: Iterator[Any] = itertools.islice(self.inner, skip, None)
+        draws = getattr(self.inner, "draws", None)
+        items = draws() if callable(draws) else iter(self.inner)
+        rest: Iterator[Any] = itertools.islice(items, skip, None)
         return ((epoch, *i) if isinstance(i, tuple) else (epoch, i) for i in rest)
 
     def __len__(self) -> int:

@@ -9,6 +9,8 @@ to the collective one.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import time
 import warnings
@@ -279,6 +281,17 @@ def _init_process_group(
     if set_timeout is not None and first_timeout != timeout:
         set_timeout(timeout)
     store.set_timeout(timeout)
+    # A process that leaves without the with-block (a return, sys.exit) takes down the group
+    # ddpkit set up: torch's own teardown of a live group can abort it (SIGABRT, status -6).
+    atexit.unregister(_leave_at_exit)
+    atexit.register(_leave_at_exit)
+
+
+def _leave_at_exit() -> None:
+    """Destroy a process group still up when the interpreter exits; the status stays its own."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # the exit goes on whatever the teardown says
+            dist.destroy_process_group()
 
 
 def _describe_existing() -> DistInfo:

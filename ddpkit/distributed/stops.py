@@ -292,8 +292,8 @@ class StepControl:
             return  # the same request again (a launcher forwarding it, say)
         self._signal, self._signal_at = signal.Signals(number).name, now
         logger.warning(
-            "%s received: every rank stops after the next step, writes a checkpoint and exits "
-            "with status %d%s",
+            "%s received: every rank stops after the same step, within two optimizer steps, "
+            "writes a checkpoint and exits with status %d%s",
             self._signal,
             PREEMPTED_EXIT_CODE,
             "; Ctrl-C again to stop at once" if number == signal.SIGINT else "",

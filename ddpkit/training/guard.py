@@ -128,6 +128,8 @@ class StepGuard:
     # -- the context ---------------------------------------------------------------------
 
     def __enter__(self) -> StepGuard:
+        if self.control is not None:  # a second exit would put the default handlers back
+            raise RuntimeError("this StepGuard is entered already: use one with-block for it")
         stack = self._stack
         try:
             self.control = stack.enter_context(
@@ -152,11 +154,13 @@ class StepGuard:
                 )
         except BaseException:
             stack.close()
+            self.control = self.watchdog = None
             raise
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc_info: object) -> None:
         self._stack.close()
+        self.control = self.watchdog = None
         if self.checkpoints is not None:  # on disk: this rank's write, alone (a rank may be gone)
             self.checkpoints.wait(raise_error=kind is None)
 

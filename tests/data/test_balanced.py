@@ -101,7 +101,7 @@ def test_repeated_augmentation_puts_each_copy_on_another_rank_with_its_own_seed(
     owners: dict[int, list[tuple[int, int]]] = {}
     for rank, sampler in enumerate(samplers):
         sampler.set_epoch(2)
-        for index, position in sampler:
+        for index, position in sampler.draws():
             owners.setdefault(index, []).append((rank, position))
     assert sorted(owners) == list(range(n))  # every image, no pass of weights: each once
     for copies in owners.values():
@@ -207,7 +207,22 @@ def test_a_share_longer_than_one_chunk_is_the_ranks_strided_positions(
         150_001, 200_003, repeats=2, num_replicas=world, rank=rank, seed=9, drop_last=drop_last
     )
     order = sampler.order(0).tolist()
-    got = list(sampler)
+    got = list(sampler.draws())
     assert len(got) == len(sampler)
+    assert list(sampler) == [index for index, _ in got]  # a torch sampler's indices
     positions = range(rank, len(sampler) * world, world)
     assert got == [(order[p % sampler.total], p) for p in positions]
+
+
+def test_a_plain_dataloader_takes_it_as_it_takes_any_sampler() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(10.0)[:, None], torch.arange(10))
+    sampler = WeightedDistributedSampler(
+        class_weights([0] * 8 + [1] * 2), 12, num_replicas=2, rank=1, seed=4
+    )
+    sampler.set_epoch(1)
+    batches = list(DataLoader(data, batch_size=3, sampler=sampler))
+    labels = torch.cat([y for _, y in batches])
+    assert labels.tolist() == list(sampler)  # the samples it names, in its order
+    assert len(labels) == len(sampler) == 6

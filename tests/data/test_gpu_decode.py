@@ -106,6 +106,10 @@ def test_what_the_gpu_decoder_cannot_read_is_decoded_on_the_cpu_and_counted(
     images = batch.decode(torch.device("cpu"))
     assert batch.cpu_decoded == 5
     assert gpu_decode.cpu_decoded() - before == 5
+    again = batch.decode(torch.device("cpu"))  # decoded twice: counted once, said the same
+    assert torch.equal(again, images)
+    assert batch.cpu_decoded == 5
+    assert gpu_decode.cpu_decoded() - before == 5
     expected = torch.stack(
         [ddpkit.val_transform(24, 28)(ddpkit.LazyLMDBDataset(varied_db)[i][0]) for i in range(7)]
     )

@@ -7,6 +7,7 @@ import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -400,3 +401,35 @@ def test_init_returns_once_every_pair_is_connected(tmp_path: os.PathLike[str]) -
     url = f"file://{tmp_path}/rendezvous"
     out = run_distributed(_collectives_of_init, 2, args=(url,), init=None, timeout=120)
     assert out == [["gloo:barrier"], ["gloo:barrier"]]
+
+
+_LEAVES = """
+import atexit, os, sys
+import torch.distributed as dist
+import ddpkit
+
+where, how = sys.argv[1], sys.argv[2]
+# Registered first, so it runs last: after ddpkit's own exit hook.
+atexit.register(lambda: open(where, "w").write(str(dist.is_initialized())))
+info = ddpkit.init_distributed("file://" + where + ".rdzv", world_size=1, rank=0)
+assert dist.is_initialized()
+dist.all_reduce(__import__("torch").ones(1))
+if how == "exit":
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(("how", "status"), [("return", 0), ("exit", 3)])
+def test_a_process_leaving_without_the_with_block_takes_its_group_down(
+    how: str, status: int, tmp_path: Path, plain_env: None
+) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "leaves.py"
+    script.write_text(_LEAVES)
+    where = tmp_path / "initialized-at-exit"
+    done = subprocess.run([sys.executable, str(script), str(where), how], timeout=120,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == status, done.stderr  # its own status, not a SIGABRT
+    assert where.read_text() == "False", done.stderr

@@ -189,13 +189,24 @@ def test_error_messages_point_to_sections_that_exist() -> None:
     assert sorted(used - headings) == []
 
 
-def test_make_demo_draws_the_curves_the_quickstart_shows() -> None:
+def test_make_demo_writes_under_demo_out_only_and_the_quickstart_shows_its_curves() -> None:
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     target = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
     assert "--demo --out demo-out" in target
-    assert "cp demo-out/checkpoints/curves.png docs/demo-curves.png" in target
+    assert "docs/" not in target  # a tracked file is never overwritten by a run
     png = ROOT / "docs" / "demo-curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     quickstart = (ROOT / "docs" / "quickstart.md").read_text(encoding="utf-8")
     assert "](demo-curves.png)" in quickstart
     assert re.search(r"^epoch 8/8: train_loss .* data wait \d+%, [\d.]+ s$", quickstart, re.M)
+
+
+def test_the_readme_says_what_the_quickstarts_demo_run_printed() -> None:
+    quickstart = (ROOT / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    run = re.search(r"demo: final val acc1 ([\d.]+)% .* total wall time ([\d.]+) s", quickstart)
+    assert run is not None
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    said = re.search(r"\((\d+)% in under (\d+) minutes on a 2-core CPU machine", readme)
+    assert said is not None, "the README's demo figures"
+    assert int(said.group(1)) == round(float(run.group(1)))
+    assert float(run.group(2)) < 60 * int(said.group(2))

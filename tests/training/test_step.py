@@ -456,3 +456,19 @@ def test_the_end_of_the_block_waits_for_no_other_rank(tmp_path: Path) -> None:
     assert results[0] == -1.0
     assert results[1] - began < 7  # it left its block at once, not after rank 0's 8 s
     assert load_checkpoint(tmp_path / "latest.pth")["position"]["epoch"] == 1
+
+
+def test_a_guard_entered_twice_is_refused_and_leaves_the_handlers_alone() -> None:
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    guard = StepGuard(faults=FaultConfig(stop_signals=("SIGTERM",)))
+    with guard:
+        installed = signal.getsignal(signal.SIGTERM)
+        assert installed is not before
+        with pytest.raises(RuntimeError, match="entered already"), guard:
+            pass
+        assert signal.getsignal(signal.SIGTERM) is installed  # still the guard's
+    assert signal.getsignal(signal.SIGTERM) is before
+    with guard:  # entered again after its block: a fresh start
+        assert signal.getsignal(signal.SIGTERM) is not before
