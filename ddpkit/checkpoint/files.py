@@ -63,8 +63,8 @@ FORMAT, VERSION = "ddpkit-checkpoint", 2
 LATEST, PREVIOUS, INTERRUPTED = "latest.pth", "previous.pth", "interrupted.pth"
 _STEP_FILE = re.compile(r"step-(\d+)\.pth")
 _STEP_TEMP = re.compile(r"\.step-\d+\.pth\.tmp-")
-# Per-epoch weight files, whatever their prefix: "<prefix>-epoch<N>-acc<acc1>.pth".
-_WEIGHT_FILE = re.compile(r".+-epoch\d+-acc(?:\d+\.\d+|nan)\.pth")
+# Per-epoch weight files, whatever their prefix: "<prefix>-epoch<N>[-acc<acc1>].pth".
+_WEIGHT_FILE = re.compile(r".+-epoch\d+(?:-acc(?:\d+\.\d+|nan))?\.pth")
 BEST = "best.pth"
 # Among checkpoints of one step, the one further along: an epoch end has also
 # validated and stepped the scheduler.
@@ -297,7 +297,8 @@ def write_files(
     if kind == "epoch":
         epoch = clean["epoch"]
         # Files and reports count epochs from 1: "epoch 1" is the first.
-        name = f"{prefix}-epoch{epoch + 1}-acc{clean['acc1'] or 0.0:.2f}.pth"
+        acc1 = clean["acc1"]  # None without validation: the file is named by its epoch alone
+        name = f"{prefix}-epoch{epoch + 1}{'' if acc1 is None else f'-acc{acc1:.2f}'}.pth"
         epoch_path = directory / name
         weights = clean["model"] if clean.get("weights") != "ema" else averaged(clean["ema"])
         save_checkpoint(weights, epoch_path)
@@ -330,7 +331,7 @@ def _prune_weights(
     directory: Path, prefix: str, keep_last: int, epoch: int, current: str, best_epoch: int | None
 ) -> None:
     """Keep the weight files of the last ``keep_last`` epochs and the best (numbers from 1)."""
-    pattern = re.compile(rf"{re.escape(prefix)}-epoch(\d+)-acc.*\.pth")
+    pattern = re.compile(rf"{re.escape(prefix)}-epoch(\d+)(?:-acc.*)?\.pth")
     found = []
     for path in directory.iterdir():
         match = pattern.fullmatch(path.name)

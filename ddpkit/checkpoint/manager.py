@@ -280,7 +280,8 @@ class CheckpointManager:
         Args:
             kind: one of :data:`KINDS`.
             metrics: (``"epoch"``) the same on every rank: ``acc1`` names the
-                weight file (0 without it) and picks ``best.pth``; ``loss`` and
+                weight file and picks ``best.pth`` (without it: named by epoch
+                alone, ``{prefix}-epoch{N}.pth``, and no ``best.pth``); ``loss`` and
                 the rest are stored. With an average and an ``ema_acc1`` above
                 ``acc1``, the weight file holds the average's weights and is
                 named (and ranked) by ``ema_acc1``.

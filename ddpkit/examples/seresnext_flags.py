@@ -52,8 +52,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 def define(description: str | None = None) -> Flags:
     """The example's flags on a new parser, and what the config code needs to know of them."""
+    # Run with `python -m`, the script's file name is not what was typed: say the module.
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    prog = f"python -m {spec.name}" if spec is not None and spec.name else None
     parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawTextHelpFormatter
+        prog=prog, description=description, formatter_class=argparse.RawTextHelpFormatter
     )
     flags = _Adder(parser)
     _add_flags(flags)

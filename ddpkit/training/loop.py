@@ -333,14 +333,19 @@ def _open_report(
     if start is not None and start.epoch >= epochs:
         reporter.say(f"nothing to do: finished at epoch {start.epoch} of {epochs}")
     elif start is not None:
+        before = resumed.get("epochs")
+        changed = f", now of {epochs} epochs (started for {before})" if before != epochs else ""
         reporter.say(
             f"resuming at epoch {start.epoch + 1} step {start.step} "
-            f"({start.batches} batches of the epoch done)"
+            f"({start.batches} batches of the epoch done){changed if before else ''}"
         )
+    if val_loader is None and checkpoints is not None:
+        reporter.say("no val_loader: weight files are named by epoch alone, and no best.pth")
     _check_batches(train_loader, world)
     if checkpoints is not None:
         # Every checkpoint records the trackers' runs and the run's configuration: a
         # resumed job continues those runs, and the configuration it was trained with.
+        run.state.extra["epochs"] = epochs  # a resume says when the planned run changed
         if runs:
             run.state.extra["trackers"] = runs
         if report.run_config is not None:
@@ -396,7 +401,9 @@ def _finish_epoch(
         state.extra["tracker_ledger"] = ledger
     for callback in callbacks:
         callback(record)
-    metrics = {"acc1": record.get("val_acc1", 0.0), "loss": record["train_loss"]}
+    # Without validation no accuracy names the weight file or picks best.pth.
+    val = {"acc1": record["val_acc1"]} if "val_acc1" in record else {}
+    metrics = {"loss": record["train_loss"], **val}
     if "val_ema_acc1" in record:
         metrics["ema_acc1"] = record["val_ema_acc1"]
     # The bag's position becomes the next epoch's start; its checkpoint, then a stop if asked.

@@ -290,7 +290,7 @@ def test_two_writers_sharing_a_directory_keep_latest_and_previous_apart(tmp_path
     assert load_checkpoint(tmp_path / "latest.pth")["epoch"] == epochs - 1
     assert load_checkpoint(tmp_path / "previous.pth")["epoch"] == epochs - 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "latest.pth", f"m-epoch{epochs - 1}-acc0.00.pth", f"m-epoch{epochs}-acc0.00.pth",
+        "latest.pth", f"m-epoch{epochs - 1}.pth", f"m-epoch{epochs}.pth",
         "previous.pth",
     ]  # fmt: skip
 

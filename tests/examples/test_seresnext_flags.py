@@ -139,3 +139,17 @@ def test_evaluation_resumes_through_the_bound_state(tmp_path: Path) -> None:
         source = example.load_for_evaluation(args, fresh)
     assert source.endswith("latest.pth")
     assert torch.equal(fresh.weight, trained.weight)
+
+
+def test_help_names_the_command_that_was_typed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from ddpkit.examples.seresnext_flags import build_parser
+
+    module = types.SimpleNamespace(__spec__=types.SimpleNamespace(name="ddpkit.examples.x"))
+    monkeypatch.setitem(sys.modules, "__main__", module)
+    assert build_parser().format_usage().startswith("usage: python -m ddpkit.examples.x ")
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=None))
+    monkeypatch.setattr(sys, "argv", ["examples/seresnext_lmdb.py"])
+    assert build_parser().format_usage().startswith("usage: seresnext_lmdb.py ")

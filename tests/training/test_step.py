@@ -472,3 +472,40 @@ def test_a_guard_entered_twice_is_refused_and_leaves_the_handlers_alone() -> Non
     assert signal.getsignal(signal.SIGTERM) is before
     with guard:  # entered again after its block: a fresh start
         assert signal.getsignal(signal.SIGTERM) is not before
+
+
+# -- what fit says ------------------------------------------------------------------------
+
+
+def _fit(directory: Path, epochs: int, **options: Any) -> Any:
+    model, optimizer, _, _ = _parts(1)
+    manager = CheckpointManager(directory)
+    return ddpkit.fit(model, _loader(0, 1, 8), optimizer, criterion=nn.CrossEntropyLoss(),
+                      epochs=epochs, checkpoints=manager, faults=NO_SIGNALS,
+                      config=TrainConfig(normalize=None), report=ReportConfig(progress=False),
+                      **options)  # fmt: skip
+
+
+def test_without_validation_weight_files_are_named_by_epoch_and_no_best_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fit(tmp_path, 2)
+    names = sorted(p.name for p in tmp_path.glob("*.pth"))
+    assert names == ["latest.pth", "model-epoch1.pth", "model-epoch2.pth", "previous.pth"]
+    said = capsys.readouterr().out
+    assert "no val_loader: weight files are named by epoch alone, and no best.pth" in said
+    # The run's files are still its own: a fresh run there is refused, a resume finds them.
+    with pytest.raises(ddpkit.CheckpointError, match="holds"):
+        _fit(tmp_path, 2)
+
+
+def test_a_resume_with_more_epochs_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fit(tmp_path, 1)
+    capsys.readouterr()
+    history = _fit(tmp_path, 2, resume=True)
+    assert [r["epoch"] for r in history.records] == [2]
+    said = capsys.readouterr().out
+    assert "resuming at epoch 2 step 4 (0 batches of the epoch done), now of 2 epochs" in said
+    assert "(started for 1)" in said
