@@ -52,6 +52,8 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     )
     # The model: SE-ResNeXt with a new head, SyncBN (on GPUs) and DDP.
     classes = len(train_set.classes)
+    if not timm.is_model(args.arch):  # timm's own error names no way out
+        raise ValueError(f"--arch {args.arch}: timm has no such model (timm.list_models())")
     model = ddpkit.wrap_ddp(timm.create_model(args.arch, num_classes=classes), sync_bn=True)
     # The recipe's loss, optimizer and schedule.
     criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)
@@ -164,6 +166,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--resume", action="store_true", help="continue from the newest checkpoint any node holds"
     )
     parser.add_argument(
+        "--debug", action="store_true", help="the traceback of an error (or DDPKIT_DEBUG=1)"
+    )
+    parser.add_argument(
         "--nproc-per-node",
         type=_positive,
         default=1,
@@ -211,11 +216,12 @@ def _rank(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.nproc_per_node > 1 and ddpkit.launched_by() is None:
-        ddpkit.spawn(_rank, args.nproc_per_node, args=(args,))
-    else:  # one process, or each of the launcher's
-        with ddpkit.init_distributed() as info:
-            _rank(info, args)
+    with ddpkit.expected_errors(debug=args.debug):  # a mistake: one line, status 1
+        if args.nproc_per_node > 1 and ddpkit.launched_by() is None:
+            ddpkit.spawn(_rank, args.nproc_per_node, args=(args,))
+        else:  # one process, or each of the launcher's
+            with ddpkit.init_distributed() as info:
+                _rank(info, args)
 
 
 if __name__ == "__main__":

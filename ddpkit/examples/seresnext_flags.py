@@ -462,6 +462,12 @@ def _add_flags(flag: _Adder) -> None:
     )
     flag("--gpu", type=_number(int, 0, False), help="the GPU of a one-process run")
     flag("--demo", action="store_true", help="train on generated shapes, then resume")
+    flag(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an error (also DDPKIT_DEBUG=1); without\n"
+        "it a mistake ddpkit explains is one line",
+    )
     flag("--out", default="demo-out", help="the demo's directory")
     flag("--demo-epochs", type=_number(int, 1, False), default=7, help="then one more, resumed")
     flag("--demo-classes", type=_number(int, 2, False), default=6, help="colour x shape classes")

@@ -222,6 +222,11 @@ def _start_process(info: ddpkit.DistInfo, global_batch: int) -> None:
 
 def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     """The model to train; ``--evaluate`` loads its weights later (``load_for_evaluation``)."""
+    if not timm.is_model(args.arch):  # timm's own error names no way out
+        raise ValueError(
+            f"--arch {args.arch}: timm has no such model; its names: "
+            f"python -c \"import timm; print(timm.list_models('*{args.arch[:6]}*'))\""
+        )
     model = timm.create_model(args.arch, pretrained=False, num_classes=num_classes)
     if args.pretrained and not args.evaluate:
         # The ImageNet head (1000 outputs) is skipped; ours stays fresh.
@@ -389,10 +394,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if args.demo:
-        demo(args)
-    else:
-        run(args)
+    # A mistake (a missing --data, another --arch on --resume ...): one line, status 1.
+    with ddpkit.expected_errors(debug=args.debug):
+        if args.demo:
+            demo(args)
+        else:
+            run(args)
 
 
 if __name__ == "__main__":

@@ -112,21 +112,15 @@ def fit(
 ) -> History:
     """Train ``model`` for ``epochs`` epochs; every rank calls it with its own loaders.
 
-    Each epoch: ``set_epoch`` on the loader's sampler; for each batch, move it
-    to the device (uint8 images are normalised there), forward under
-    ``torch.autocast`` when ``config.amp`` is set, scale the loss by ``1 /
-    grad_accum`` and backward, inside ``no_sync`` except on the micro-step
-    that completes an optimizer step; clip, step (through a GradScaler for
-    fp16), zero the gradients. Between optimizer steps: a step checkpoint when
-    ``checkpoints`` asks for one (``every_steps`` / ``every_minutes``), and a
-    clean stop when a signal of ``faults.stop_signals`` arrived on any rank.
-    After the epoch: :func:`evaluate` on ``val_loader``, the scheduler step,
-    one record in the :class:`History` (and, on rank 0, what ``report`` asks
-    for), the callbacks, and the epoch checkpoint. Checkpoints are copied to
-    host memory and written in the background; the next save and the end of
-    training wait for the write. Nothing passed in is changed beyond what
-    training does (the model's weights and mode, the optimizer, the
-    scheduler, the sampler's epoch).
+    Each epoch: ``set_epoch`` on the loader's sampler; each batch moved to the
+    device (uint8 images normalised there), the forward and loss in
+    :meth:`StepGuard.forward`, and :meth:`StepGuard.backward`, the one step a
+    loop of your own takes too (accumulation, clipping, the GradScaler, the
+    save or stop after it). After the epoch: :func:`evaluate` on
+    ``val_loader``, the scheduler step, one record in the :class:`History`
+    (and, on rank 0, what ``report`` asks for), the callbacks, and the epoch
+    checkpoint, written in the background. Nothing passed in is changed
+    beyond what training does.
 
     Args:
         model: the model, already on its device and wrapped (``wrap_ddp``).
@@ -144,17 +138,13 @@ def fit(
             with ``config.scheduler_per_step`` or when :func:`warmup_schedule`
             made it.
         ema: an average of the model (:func:`ddpkit.model_ema`), updated
-            after each optimizer step, evaluated beside the model each epoch
-            (``val_ema_acc1`` ...), checkpointed and restored with it; the
-            epoch's weight file (and ``best.pth``) holds whichever of the two
-            scored the higher ``val_acc1``.
+            after each optimizer step, evaluated beside it (``val_ema_acc1``
+            ...), checkpointed; the weight file holds the better of the two.
         config: how each step runs (:class:`TrainConfig`); default ``TrainConfig()``.
         checkpoints: where and how often to save (and resume from).
-        resume: True: continue from the newest complete checkpoint any rank
-            holds (epoch, step or interrupted), from the exact batch; a path:
-            from that file. On another number of ranks the rest of the epoch
-            covers the samples not yet seen, with a warning that the run is
-            not bit-exact.
+        resume: True: from the newest complete checkpoint any rank holds, at
+            the exact batch; a path: from that file. On another number of
+            ranks the epoch's unseen samples, with a warning (not bit-exact).
         report: what rank 0 shows and writes (:class:`ReportConfig`); default
             ``ReportConfig()``: a progress bar, no files.
         faults: stop signals and the hang watchdog (:class:`FaultConfig`);
@@ -163,11 +153,9 @@ def fit(
         callbacks: called with each epoch's record, on every rank.
         step_callbacks: called after each optimizer step, on every rank, with
             ``{"epoch", "step", "batch", "lr", "loss", "position"}``: the epoch
-            (counted from 1), the step (over the run), the batches of the
-            epoch this rank has trained, the rate the step used, the loss of
-            its last micro-batch (a detached tensor on the device: reading it
-            waits for the device) and the :class:`Position`. For a progress
-            display of your own, or a hook a step of your own would call.
+            (from 1), the step (over the run), this rank's batches of the
+            epoch, the step's rate, its last micro-batch's loss (a detached
+            tensor on the device) and the :class:`Position`.
         **deprecated: ``amp``, ``grad_accum``, ``clip_grad_norm``,
             ``scheduler_per_step``, ``normalize``, ``device`` (now in
             ``config``) and ``progress``, ``log_dir`` (now in ``report``),

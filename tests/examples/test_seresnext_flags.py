@@ -55,7 +55,7 @@ def test_flags_hold_every_flag_and_group_of_the_parser() -> None:
     # argparse's own lists, read here only to check the example's copy of them.
     own = [a for a in flags.parser._actions if a.dest != "help"]
     assert list(flags.actions) == own
-    assert len(own) == 65
+    assert len(own) == 66
     groups = flags.parser._mutually_exclusive_groups
     assert list(flags.exclusive) == [tuple(a.dest for a in g._group_actions) for g in groups]
     assert flags.exclusive == (("requires_grad", "freeze_backbone"), ("lr", "lr_base"))
