@@ -30,6 +30,8 @@ class Position:
         data_size: samples in the training set then; None: not recorded.
         data_digest: a digest of the training set's index (its labels and
             classes, or ``targets``); None: not recorded or not cheap to take.
+        data_seed: the seed of the training sampler's order (another seed
+            deals the rest of the epoch out otherwise); None: not recorded.
     """
 
     epoch: int = 0
@@ -39,6 +41,7 @@ class Position:
     world_size: int = 1
     data_size: int | None = None
     data_digest: str | None = None
+    data_seed: int | None = None
 
     @property
     def mid_epoch(self) -> bool:
@@ -52,6 +55,8 @@ class Position:
             stored["data_size"] = int(self.data_size)
         if self.data_digest is not None:
             stored["data_digest"] = str(self.data_digest)
+        if self.data_seed is not None:
+            stored["data_seed"] = int(self.data_seed)
         return stored
 
     @classmethod
@@ -72,6 +77,8 @@ class Position:
             fields[name] = _count(name, data[name], low)
         if data.get("data_size") is not None:
             fields["data_size"] = _count("data_size", data["data_size"], 0)
+        if data.get("data_seed") is not None:
+            fields["data_seed"] = _count("data_seed", data["data_seed"], 0)
         digest = data.get("data_digest")
         if digest is not None:
             if not isinstance(digest, str) or not digest:

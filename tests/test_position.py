@@ -66,3 +66,11 @@ def test_a_position_is_frozen_and_hashable() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         here.epoch = 3  # type: ignore[misc]
     assert {here, Position(epoch=1, batches=2)} == {here}
+
+
+def test_the_orders_seed_is_stored_and_read_back() -> None:
+    position = Position(1, 3, 12, 7, 2, 48, "sha256:ab", 11)
+    assert position.as_dict()["data_seed"] == 11
+    assert Position.from_dict(position.as_dict()) == position
+    with pytest.raises(ValueError, match="data_seed"):
+        Position.from_dict({**position.as_dict(), "data_seed": -1})

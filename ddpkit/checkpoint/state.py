@@ -12,7 +12,7 @@ loader with a state of its own) is a new field of this class and nothing else.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -106,9 +106,10 @@ class TrainingState:
 
     def end_epoch(self, epoch: int, world_size: int, step: int | None = None) -> None:
         """Advance to the next epoch's start; step count (or ``step``) and data identity kept."""
-        p = self.position
-        step = p.step if step is None else step
-        self.advance(Position(epoch + 1, 0, 0, step, world_size, p.data_size, p.data_digest))
+        p, n = self.position, self.position.step if step is None else step
+        self.advance(
+            replace(p, epoch=epoch + 1, batches=0, samples=0, step=n, world_size=world_size)
+        )
 
     def pieces(self) -> dict[str, Any]:
         """Every object but the model, by field name (None where there is none).

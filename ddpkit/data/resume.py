@@ -40,6 +40,7 @@ __all__ = [
     "data_identity",
     "epoch_batches",
     "epoch_order",
+    "loader_seed",
     "remainder_batches",
 ]
 
@@ -91,7 +92,7 @@ class EpochBatches:
         samples: int = 0,
         batch_size: int | None = None,
         world_size: int = 1,
-        data: tuple[int | None, str | None] = (None, None),
+        data: tuple[int | None, str | None, int | None] = (None, None, None),
     ) -> None:
         self.batches, self.done, self.total, self.first = batches, done, total, done
         self.step_samples, self.epoch, self.samples = step_samples, epoch, samples
@@ -210,7 +211,8 @@ def epoch_batches(
         world_size: ranks now; default: this job's (``ddpkit.get_world_size()``).
         rank: this rank; default: this process's (``ddpkit.get_rank()``).
         data: the training set's size and digest (:func:`data_identity`),
-            if the caller has them; default: taken from ``loader.dataset``.
+            if the caller has them; default: taken from ``loader.dataset``. The
+            sampler's seed (:func:`loader_seed`) is recorded beside them.
         loader_state: this rank's ``TrainingState.loader_state`` of ``start``
             (a stateful loader's place), or None to skip by position.
 
@@ -221,7 +223,8 @@ def epoch_batches(
     """
     world = comm.get_world_size() if world_size is None else world_size
     me = comm.get_rank() if rank is None else rank
-    identity = data_identity(getattr(loader, "dataset", None)) if data is None else data
+    size, digest = data_identity(getattr(loader, "dataset", None)) if data is None else data
+    identity = (size, digest, loader_seed(loader))
     holder = state_holder(loader)
     here = start is not None and start.epoch == epoch
     if holder is not None and loader_state is not None and start is not None and here:
@@ -461,12 +464,22 @@ def data_identity(dataset: Any) -> tuple[int | None, str | None]:
     return size, f"sha256:{digest.hexdigest()[:32]}"
 
 
-def data_change(start: Position, dataset: Any) -> str | None:
-    """How the training set differs from the one ``start`` was taken on; None: the same.
+def loader_seed(loader: Any) -> int | None:
+    """The seed of a loader's training order (its sampler's ``seed``), or None: none to say."""
+    sampler = getattr(loader, "sampler", None)
+    sampler = getattr(sampler, "inner", sampler)  # build_loader's EpochIndexSampler
+    seed = getattr(sampler, "seed", None)
+    return seed if type(seed) is int else None
+
+
+def data_change(start: Position, dataset: Any, seed: int | None = None) -> str | None:
+    """How the training set (or ``seed``, its order's) differs from ``start``'s; None: the same.
 
     A position that recorded no data (before ddpkit recorded them, or an
     epoch end) is the same for any data.
     """
+    if seed is not None and start.data_seed is not None and seed != start.data_seed:
+        return f"the training order's seed was {start.data_seed} then and is {seed} now"
     if start.data_size is None:
         return None
     size, digest = data_identity(dataset)

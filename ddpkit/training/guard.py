@@ -41,7 +41,7 @@ from ddpkit.checkpoint.cadence import SaveClock
 from ddpkit.checkpoint.serialization import CheckpointError
 from ddpkit.checkpoint.state import TrainingState
 from ddpkit.checkpoint.sync import claim_directory
-from ddpkit.data.resume import EpochBatches, check_start, data_change, epoch_batches
+from ddpkit.data.resume import EpochBatches, check_start, data_change, epoch_batches, loader_seed
 from ddpkit.data.streams import loader_states_for, state_holder
 from ddpkit.distributed import comm
 from ddpkit.distributed.devices import module_device
@@ -236,7 +236,7 @@ class StepGuard:
         manager = self.checkpoints
         assert manager is not None
         name = manager.resumed_checkpoint
-        change = data_change(start, getattr(loader, "dataset", None))
+        change = data_change(start, getattr(loader, "dataset", None), loader_seed(loader))
         if change is None:
             try:
                 check_start(loader, start, self._world)
@@ -253,9 +253,9 @@ class StepGuard:
         if self.faults.on_data_change == "error":
             raise CheckpointError(
                 f"{where}: the rest of that epoch would read some samples twice and others "
-                "never. Resume with the data it was saved with, or start at the next epoch on "
-                "the new data with fit(faults=FaultConfig(on_data_change='next_epoch')) (the "
-                "example's --on-data-change next-epoch). " + see("checkpoints")
+                "never. Resume with the data it was saved with (and its seed), or start at the "
+                "next epoch on the new data with fit(faults=FaultConfig(on_data_change="
+                "'next_epoch')) (the example's --on-data-change next-epoch). " + see("checkpoints")
             )
         if self._rank == 0:
             warnings.warn(

@@ -12,6 +12,7 @@ bytes, nothing).
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -422,8 +423,12 @@ def _png(path: Path) -> None:
 @pytest.mark.parametrize(
     ("name", "make", "said"),
     [
-        ("best.pth", None, "holds a model's weights alone"),
-        ("model-epoch1-acc0.00.pth", None, "the example's --pretrained PATH"),
+        (
+            "best.pth",
+            lambda p: shutil.copy(p.parent / "model-epoch1.pth", p),
+            "holds a model's weights alone",
+        ),
+        ("model-epoch1.pth", None, "the example's --pretrained PATH"),
         ("run", lambda p: p.mkdir(), "it is a directory; pass a file in it, such as"),
         ("curves.png", _png, "it is an image (the learning curves ddpkit plot draws)"),
         (

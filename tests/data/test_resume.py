@@ -131,7 +131,8 @@ def test_the_batches_count_themselves_and_give_the_steps_position() -> None:
     assert seen == [(1, 6, False, 3), (2, 12, False, 3), (3, 18, True, 3)]
     size, digest = ddpkit.data_identity(loader.dataset)
     # batches per rank, samples over all ranks, and the data a resume checks
-    assert part.position(7) == Position(4, 3, 18, 7, 2, size, digest)
+    seed = ddpkit.data.resume.loader_seed(loader)  # the order's, recorded beside them
+    assert part.position(7) == Position(4, 3, 18, 7, 2, size, digest, seed)
     assert size == 20
     assert digest is not None
 

@@ -342,6 +342,10 @@ def tracker_job(
         torch.optim.SGD(model.parameters(), lr=0.05),
         criterion=nn.CrossEntropyLoss(),
         epochs=epochs,
+        # validated, so a best checkpoint is picked and the trackers are told of it
+        val_loader=build_loader(
+            NoisyBlobs(n=8, seed=1, augment=False), batch_size=4, train=False, workers=0, info=info
+        ),
         checkpoints=checkpoints,
         resume=resume,
         config=TrainConfig(normalize=None),

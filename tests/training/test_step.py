@@ -139,7 +139,7 @@ def test_a_loop_of_your_own_takes_fits_very_steps_on_two_ranks() -> None:
         assert_nested_equal(result["own"], result["fit"], f"rank {rank}")
         # 5 micro-batches an epoch in windows of 2: steps after batches 2, 4 and the 5th.
         assert result["steps"] == [1, 2, 3, 4, 5, 6]
-        assert result["position"] == Position(2, 0, 0, 6, 2, 20, result["position"].data_digest)
+        assert result["position"] == Position(2, 0, 0, 6, 2, 20, result["position"].data_digest, 1)
         assert result["lr"] == pytest.approx(0.3 * 0.5**3)  # stepped after every step
         # no_sync inside a window: one all-reduce per optimizer step (one bucket), not per
         # micro-batch (10 of them).
@@ -509,3 +509,33 @@ def test_a_resume_with_more_epochs_says_so(
     said = capsys.readouterr().out
     assert "resuming at epoch 2 step 4 (0 batches of the epoch done), now of 2 epochs" in said
     assert "(started for 1)" in said
+
+
+def test_a_mid_epoch_resume_with_another_seed_is_refused(tmp_path: Path) -> None:
+    data = _Labelled(16)
+
+    def loader(seed: int) -> Any:
+        return ddpkit.build_loader(data, batch_size=2, train=True, seed=seed, workers=0)
+
+    model, optimizer, _, _ = _parts(1)
+    manager = CheckpointManager(tmp_path, state=TrainingState(model, optimizer), every_steps=1)
+    with StepGuard(manager, faults=NO_SIGNALS) as guard:
+        part = guard.batches(loader(0), 0)
+        for _, _ in zip(part, range(3), strict=False):
+            guard.after_step(part)
+    assert load_checkpoint(tmp_path / "step-000000003.pth")["position"]["data_seed"] == 0
+    for seed, fails in ((11, True), (0, False)):
+        model, optimizer, _, _ = _parts(1)
+        manager = CheckpointManager(tmp_path, state=TrainingState(model, optimizer))
+        with StepGuard(manager, faults=NO_SIGNALS) as guard:
+            if fails:
+                with pytest.raises(ddpkit.CheckpointError, match="seed was 0 then and is 11 now"):
+                    guard.resume(loader(seed))
+            else:
+                assert guard.resume(loader(seed)) == 0
+    # Asked to, the next epoch starts on the new order instead.
+    model, optimizer, _, _ = _parts(1)
+    manager = CheckpointManager(tmp_path, state=TrainingState(model, optimizer))
+    faults = FaultConfig(stop_signals=(), on_data_change="next_epoch")
+    with StepGuard(manager, faults=faults) as guard, pytest.warns(RuntimeWarning, match="seed"):
+        assert guard.resume(loader(11)) == 1
