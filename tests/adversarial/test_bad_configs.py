@@ -238,7 +238,8 @@ def test_a_fifo_config_ends_the_example_at_once(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.splitlines()[-1] == (
-        f"seresnext_lmdb.py: error: --config {fifo}: is a FIFO (named pipe), not a regular "
+        f"python -m ddpkit.examples.seresnext_lmdb: error: --config {fifo}: is a FIFO (named "
+        "pipe), not a regular "
         "file; write the flags to a file and pass that"
     )
     assert not (tmp_path / "ck").exists()  # nothing started
