@@ -71,18 +71,14 @@ def train_epoch(
 ) -> dict[str, Any]:
     """Train ``epoch`` from where the guard's resumed position stands; return the epoch's record.
 
-    ``carried`` is this rank's running totals saved with that position (or None).
-    The epoch's last micro-batch always completes an optimizer step, also
-    when a loader without a length ends in the middle of gradient
-    accumulation (one batch is read ahead to know): its gradient is
-    all-reduced, scaled to the mean of the micro-batches it holds, clipped
-    and stepped like any other, and the step is counted and may checkpoint.
+    ``carried`` is this rank's running totals saved with that position (or
+    None). Each micro-batch goes through the guard's step (its epoch's last
+    too, however the epoch ends).
 
     Raises:
-        Preempted: a stop signal: every rank stopped after the same step and
-            the ranks that write saved ``interrupted.pth``.
+        Preempted: a stop signal: every rank stopped after the same step, saved.
         CheckpointError: a background checkpoint write failed on some rank.
-        TrainingError: a non-finite loss.
+        TrainingError: a non-finite loss, or an epoch with no step on any rank.
     """
     guard = run.guard
     part = guard.batches(loader, epoch)
@@ -122,6 +118,14 @@ def train_epoch(
     progress.close(epoch)
     decoded = gpu_decode.cpu_decoded() - cpu_before if on_gpu else None
     record = totals.record(epoch, rate, seconds, dev, part.dropped, decoded)
+    if record["train_samples"] == 0:  # the same on every rank: summed in the record
+        dropped = record.get("rank_dropped_batches") or []
+        empty = [r for r, n in enumerate(dropped) if n == 0] if any(dropped) else "every rank"
+        raise TrainingError(
+            f"epoch {epoch + 1} trained no step: the training loader yielded no batch on "
+            f"{empty if isinstance(empty, str) else f'rank(s) {empty}'}, and the ranks end an "
+            "epoch together. Check that every rank's data (its shards) is there"
+        )
     return record | {"peak_memory_mb": totals.peak_mb}
 
 

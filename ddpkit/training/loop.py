@@ -165,13 +165,11 @@ def fit(
         The :class:`History` of this run (resumed epochs are not repeated).
 
     Raises:
-        ddpkit.Preempted: a stop signal; the checkpoint is written. Uncaught,
-            the process exits with status 75.
-        TrainingError: a loss that is not finite (names the epoch and step).
-        CheckpointError: a checkpoint write failed (on every rank), resume failed, or a
-            fresh run's directory holds another run's files (``CheckpointManager(overwrite=)``).
-        ValueError: ``epochs`` is negative, a config value is invalid, or
-            ``resume`` without ``checkpoints``.
+        ddpkit.Preempted: a stop signal, the checkpoint written (exit status 75).
+        TrainingError: a loss not finite, or an epoch with no step on any rank.
+        CheckpointError: a write failed (on every rank), resume failed, or a
+            fresh run's directory holds another run's files.
+        ValueError: a bad ``epochs`` or config value, ``resume`` without ``checkpoints``.
         TypeError: an unknown keyword argument.
 
     Example:
@@ -240,7 +238,8 @@ def _start(
         reporter=Reporter(report, is_main=comm.is_main_process()),
     )
     # The trackers' last records have a deadline of their own: not the watchdog's.
-    stack.callback(_close_reporter, run)
+    stack.callback(run.reporter.close)
+    stack.callback(guard.progress, "trackers")
     steps = report.profile_steps
     rank = comm.get_rank()
     if steps is not None and (report.profile_ranks is None or rank in report.profile_ranks):
@@ -274,11 +273,6 @@ def _resume(
         return None, None
     start = state.position
     return start, _carried(manager.resumed.loop, start, comm.get_world_size(), comm.get_rank())
-
-
-def _close_reporter(run: Run) -> None:
-    run.guard.progress("trackers")
-    run.reporter.close()
 
 
 def _open_report(

@@ -539,3 +539,41 @@ def test_a_mid_epoch_resume_with_another_seed_is_refused(tmp_path: Path) -> None
     faults = FaultConfig(stop_signals=(), on_data_change="next_epoch")
     with StepGuard(manager, faults=faults) as guard, pytest.warns(RuntimeWarning, match="seed"):
         assert guard.resume(loader(11)) == 1
+
+
+class _Stream(torch.utils.data.IterableDataset[tuple[torch.Tensor, int]]):
+    """A stream of ``counts[rank]`` samples on each rank, without a length."""
+
+    def __init__(self, counts: tuple[int, ...]) -> None:
+        self.counts = counts
+
+    def __iter__(self) -> Any:
+        g = torch.Generator().manual_seed(0)
+        mine = self.counts[min(ddpkit.get_rank(), len(self.counts) - 1)]
+        return iter([(torch.randn(6, generator=g), i % 3) for i in range(mine)])
+
+
+def _empty_epochs(rank: int, world: int, counts: tuple[int, ...]) -> str:
+    model, optimizer, _, _ = _parts(world)
+    loader = DataLoader(_Stream(counts), batch_size=2)
+    try:
+        ddpkit.fit(model, loader, optimizer, criterion=nn.CrossEntropyLoss(), epochs=1,
+                   config=TrainConfig(normalize=None), faults=NO_SIGNALS,
+                   report=ReportConfig(progress=False))  # fmt: skip
+    except ddpkit.TrainingError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_an_epoch_with_no_step_on_any_rank_is_refused() -> None:
+    said = _empty_epochs(0, 1, (0,))
+    assert said.startswith("epoch 1 trained no step: the training loader yielded no batch on ")
+    assert "every rank" in said
+
+
+@pytest.mark.serial
+@pytest.mark.timeout(120)
+def test_a_rank_with_no_batch_is_named_on_every_rank() -> None:
+    results = run_distributed(_empty_epochs, 2, args=((4, 0),), timeout=90)
+    for said in results:
+        assert "yielded no batch on rank(s) [1]" in said
