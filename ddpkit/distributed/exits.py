@@ -30,7 +30,7 @@ _PACKAGE = str(Path(__file__).resolve().parents[1])
 _ON_PURPOSE = (ValueError, TypeError, OSError, RuntimeError)
 _ON_PURPOSE_NAMES = {"ValueError", "TypeError", "OSError", "RuntimeError"}
 _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
-_LAST_FRAME = re.compile(r'^\s*File "([^"]+)", line \d+', re.MULTILINE)
+_LAST_FRAME = re.compile(r'^\s*File "([^"]+)", line \d+.*\n\s*(.*)$', re.MULTILINE)
 _LAST_LINE = re.compile(r"^([\w.]+(?:Error|Exception)): (.*)$", re.MULTILINE | re.DOTALL)
 
 
@@ -42,7 +42,8 @@ def is_expected(exc: BaseException) -> str | None:
         return str(exc)
     frames = traceback.extract_tb(exc.__traceback__)
     ours = type(exc).__module__.startswith("ddpkit.")
-    raised_here = bool(frames) and frames[-1].filename.startswith(_PACKAGE)
+    # A `raise` in ddpkit's code: a bug's TypeError from a bad call there keeps its traceback.
+    raised_here = bool(frames) and _raised_in_ddpkit(frames[-1].filename, frames[-1].line)
     if ours or (raised_here and isinstance(exc, _ON_PURPOSE)):
         return str(exc)
     return None
@@ -62,10 +63,14 @@ def _remote(exc: RankFailedError) -> str | None:
     short = name.rsplit(".", 1)[-1]
     missing = short in {t.__name__ for t in _MISSING}
     ours = name.startswith("ddpkit.")  # a class of ddpkit's, printed with its module
-    here = frames[-1].startswith(_PACKAGE) and short in _ON_PURPOSE_NAMES
+    here = _raised_in_ddpkit(*frames[-1]) and short in _ON_PURPOSE_NAMES
     if missing or ours or here:
         return f"rank {exc.rank}: {message}"
     return None
+
+
+def _raised_in_ddpkit(filename: str, line: str | None) -> bool:
+    return filename.startswith(_PACKAGE) and (line or "").lstrip().startswith("raise ")
 
 
 @contextlib.contextmanager

@@ -77,3 +77,18 @@ def test_an_unknown_model_names_where_the_names_are(
     err = capsys.readouterr().err
     assert err.startswith("error: --arch no_such_net: timm has no such model")
     assert "Traceback" not in err
+
+
+def test_a_bugs_error_inside_ddpkit_keeps_its_traceback() -> None:
+    # A TypeError Python raises for a bad call made inside ddpkit is a bug, not a mistake.
+    from ddpkit.data.resume import data_change
+
+    bug = _raised(lambda: data_change(None, None))  # type: ignore[arg-type]
+    assert isinstance(bug, AttributeError | TypeError)
+    assert is_expected(bug) is None
+    text = 'Traceback:\n  File "{}/x.py", line 3, in f\n    y = f(1, 2)\nTypeError: f() takes 1\n'
+    import ddpkit.distributed.exits as exits
+
+    assert is_expected(RankFailedError("m", 0, text.format(exits._PACKAGE))) is None
+    raised = text.format(exits._PACKAGE).replace("y = f(1, 2)", 'raise TypeError("x")')
+    assert is_expected(RankFailedError("m", 0, raised)) == "rank 0: f() takes 1"
