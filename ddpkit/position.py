@@ -32,6 +32,9 @@ class Position:
             classes, or ``targets``); None: not recorded or not cheap to take.
         data_seed: the seed of the training sampler's order (another seed
             deals the rest of the epoch out otherwise); None: not recorded.
+        data_sizes: each rank's ``data_size`` where they differ (a stream
+            split by rank has a length of its own on each); None: the same
+            on every rank, or not recorded.
     """
 
     epoch: int = 0
@@ -42,6 +45,7 @@ class Position:
     data_size: int | None = None
     data_digest: str | None = None
     data_seed: int | None = None
+    data_sizes: tuple[int, ...] | None = None
 
     @property
     def mid_epoch(self) -> bool:
@@ -57,7 +61,14 @@ class Position:
             stored["data_digest"] = str(self.data_digest)
         if self.data_seed is not None:
             stored["data_seed"] = int(self.data_seed)
+        if self.data_sizes is not None:
+            stored["data_sizes"] = [int(n) for n in self.data_sizes]
         return stored
+
+    def rank_data_size(self, rank: int) -> int | None:
+        """Rank ``rank``'s training-set size then: its own where the ranks' differ."""
+        sizes = self.data_sizes
+        return sizes[rank] if sizes is not None and 0 <= rank < len(sizes) else self.data_size
 
     @classmethod
     def from_dict(cls, data: Any) -> Position:
@@ -79,6 +90,14 @@ class Position:
             fields["data_size"] = _count("data_size", data["data_size"], 0)
         if data.get("data_seed") is not None:
             fields["data_seed"] = _count("data_seed", data["data_seed"], 0)
+        sizes = data.get("data_sizes")
+        if sizes is not None:
+            if not isinstance(sizes, list | tuple) or len(sizes) != fields["world_size"]:
+                raise ValueError(
+                    f"the position's data_sizes is {sizes!r}, not one size per rank of its "
+                    f"world_size {fields['world_size']}"
+                )
+            fields["data_sizes"] = tuple(_count("data_sizes", n, 0) for n in sizes)
         digest = data.get("data_digest")
         if digest is not None:
             if not isinstance(digest, str) or not digest:

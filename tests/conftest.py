@@ -75,6 +75,7 @@ _SERIAL = (
     "training/test_loop.py::test_evaluate_is_exact_across_ranks",
     "training/test_loop.py::test_resume_is_bit_exact",
     "training/test_metrics.py",
+    "training/test_plain_loader_resume.py",
     "training/test_streaming.py",
     "training/test_stragglers.py::test_a_real_rank_reading_3x_slower_is_named_and_a_balanced_run_names_nobody",
 )

@@ -10,20 +10,29 @@ are dealt out again: every one of them once, none of the consumed ones again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    SequentialSampler,
+)
 
 from ddpkit.data.balanced import WeightedDistributedSampler
 from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler, set_epoch
 from ddpkit.data.streams import (
+    EPOCH_SEEDS,
     agreed_lengths,
     agreed_with_last,
     agreement_group,
@@ -40,8 +49,10 @@ __all__ = [
     "data_identity",
     "epoch_batches",
     "epoch_order",
+    "inexact_resume",
     "loader_seed",
     "remainder_batches",
+    "resume_verdict",
 ]
 
 logger = logging.getLogger("ddpkit")
@@ -74,11 +85,16 @@ class EpochBatches:
             consumes; None when every batch takes ``batch_size x world_size``.
         last: the batch just yielded is the epoch's last.
         world_size: the ranks the epoch is dealt out to.
-        data: the training set's size and index digest, as a position records them.
+        data: the training set's size, index digest, order's seed (and each
+            rank's size where they differ), as a position records them.
         dropped: batches this rank's loader held beyond the agreed end of the
             epoch (another rank's data ended first), known once it is read.
         holder: the object whose ``state_dict()`` is this rank's place in the
             stream (``ddpkit.data.streams.state_holder``), or None.
+        seeds: a plain ``DataLoader``'s random state when the epoch's iterator
+            was made (torch's, and the loader's generator's), from which its
+            worker seeds and a ``RandomSampler``'s order are drawn; None for
+            another loader.
     """
 
     def __init__(
@@ -92,7 +108,7 @@ class EpochBatches:
         samples: int = 0,
         batch_size: int | None = None,
         world_size: int = 1,
-        data: tuple[int | None, str | None, int | None] = (None, None, None),
+        data: tuple[Any, ...] = (None, None, None),
     ) -> None:
         self.batches, self.done, self.total, self.first = batches, done, total, done
         self.step_samples, self.epoch, self.samples = step_samples, epoch, samples
@@ -100,8 +116,10 @@ class EpochBatches:
         self.dropped = 0
         self.exact = True  # total is what the epoch yields, not a hint (see epoch_batches)
         self.holder: Any = None
+        self.seeds: dict[str, Any] | None = None
         self._batch_size = batch_size
         self._agree = 1  # ranks that agree batch by batch where the epoch ends (1: none)
+        self._own = total or 0  # batches of this rank's own epoch, before the ranks agreed
         self._state: Any = None  # the holder's state after the last batch yielded
 
     def __iter__(self) -> Iterator[Any]:
@@ -123,22 +141,26 @@ class EpochBatches:
             else:
                 self.samples += (self._batch_size or _batch_size(item)) * self.world_size
             yield item
-        # Read to the end: a DataLoader stops its workers there, a stream ends its epoch, and
-        # what lay beyond the agreed end (a longer rank's share) is counted.
-        self.dropped = sum(1 for _ in items) if sized else sum(dropped)
+        # A stream is read to its end (what lay beyond the agreed end, a longer rank's share, is
+        # counted, and the stream ends its epoch); a loader with a length is counted unread,
+        # and asked once more when it holds no more (a DataLoader stops its workers there).
+        self.dropped = max(self._own - self.done, 0) if sized else sum(dropped)
+        if sized and not self.dropped:
+            next(items, None)
 
     def position(self, step: int) -> Position:
         """Where training stands after optimizer step ``step`` (counted over the run), here."""
         return Position(self.epoch, self.done, self.samples, step, self.world_size, *self.data)
 
     def loader_state(self) -> Any:
-        """The holder's ``state_dict()`` after the last batch yielded (None without a holder).
+        """The holder's ``state_dict()`` after the last batch yielded; a plain loader's seeds.
 
         Read one batch ahead, the loader is already past that batch: its state
-        was taken before the next one was read.
+        was taken before the next one was read. A plain ``DataLoader``'s is
+        ``{EPOCH_SEEDS: seeds}``; None for any other loader.
         """
         if self.holder is None:
-            return None
+            return None if self.seeds is None else {EPOCH_SEEDS: self.seeds}
         return self._state if self._read_ahead else self.holder.state_dict()
 
     @property
@@ -189,15 +211,19 @@ def epoch_batches(
     Another loader is read and the done batches dropped, unless it keeps
     its place itself: given ``loader_state`` (this rank's, saved with
     ``start``), its holder (the loader, or in one read in this process its
-    sampler or dataset) loads it and the epoch goes on from there; the
-    loader's iterator is made at once, without drawing from torch's random
-    generator, so a resumed run draws what an unbroken one would.
+    sampler or dataset) loads it and the epoch goes on from there. A plain
+    ``DataLoader`` keeps the random state its epoch's iterator drew its
+    seeds from (:attr:`EpochBatches.seeds`, its ``loader_state()``); given
+    back, the done batches are read again from it, so each worker draws
+    what it drew (without workers, in a known order, the rest is cut from
+    the order). The loader's iterator is made at once, without drawing from
+    torch's random generator, so a resumed run draws what an unbroken one would.
 
     The ranks agree where the epoch ends, so that none leaves it while
     another is still in DDP's all-reduce: when every rank's loader has a
     length, once (the fewest batches any rank has), else batch by batch as
     the result is read (one small all-reduce each). A rank whose data go
-    on drops the rest (:attr:`EpochBatches.dropped`). So with an
+    on drops the rest (:attr:`EpochBatches.dropped`, counted unread given a length). So with an
     initialised process group of more than one rank, every rank must call
     this for the same epoch and read the result to its end together, or
     it deadlocks. The result counts what it yields: its
@@ -227,6 +253,7 @@ def epoch_batches(
     identity = (size, digest, loader_seed(loader))
     holder = state_holder(loader)
     here = start is not None and start.epoch == epoch
+    seeds = loader_state.get(EPOCH_SEEDS) if isinstance(loader_state, Mapping) else None
     if holder is not None and loader_state is not None and start is not None and here:
         if not start.mid_epoch:
             raise ValueError("loader_state is a place in the middle of an epoch; start is not")
@@ -235,7 +262,12 @@ def epoch_batches(
         holder.load_state_dict(loader_state)
         part = EpochBatches(_skipped(loader, 0), start.batches, _length(loader))
     else:
-        part = _rest(loader, epoch, start, world, me)
+        part = _rest(loader, epoch, start, world, me, seeds if holder is None else None)
+    if holder is None and part.batches is loader and _plain(loader):
+        # A plain DataLoader's iterator draws its workers' seed (and a RandomSampler its
+        # order) from these: kept, so that a resume mid-epoch can draw the same again.
+        part.seeds = _seeds(loader)
+        part.batches = iter(loader)
     part.epoch, part.world_size, part.data, part.holder = epoch, world, identity, holder
     if not exact_length(loader):
         part.exact = False
@@ -245,7 +277,9 @@ def epoch_batches(
     # Where the epoch ends, agreed by the ranks of the process group (none alone).
     group = comm.get_world_size()
     if group > 1:
-        sized, shortest = agreed_lengths(part.total if part.exact else None)
+        sized, shortest, sizes = agreed_lengths(part.total if part.exact else None, size)
+        if len(set(sizes)) > 1 and all(n is not None for n in sizes):
+            part.data = (*identity, sizes)  # each rank's own: a stream split by rank
         if sized:
             part.total = shortest
         else:
@@ -254,31 +288,60 @@ def epoch_batches(
     return part
 
 
-def _skipped(loader: Iterable[Any], done: int) -> Iterator[Any]:
+def _seeds(loader: DataLoader[Any]) -> dict[str, Any]:
+    """The random state a ``DataLoader``'s iterator draws its seeds from, as it is now."""
+    generator = loader.generator
+    return {
+        "torch": torch.random.get_rng_state(),
+        "generator": None if generator is None else generator.get_state(),
+    }
+
+
+def _skipped(
+    loader: Iterable[Any], done: int, seeds: Mapping[str, Any] | None = None
+) -> Iterator[Any]:
     """An iterator of ``loader`` with its first ``done`` batches read and dropped, now.
 
     Neither the iterator's start nor the batches read draw from torch's CPU
     generator: in the run that took the checkpoint, those draws (a
     ``DataLoader``'s worker seed, a ``RandomSampler``'s seed) came before it;
-    a loader that restores its place brings back those seeds from its state.
+    a loader that restores its place brings back those seeds from its state,
+    and a plain ``DataLoader`` from ``seeds`` (:attr:`EpochBatches.seeds` of the
+    epoch): its workers then draw, batch for batch, what they drew before.
     """
-    before = torch.random.get_rng_state()
-    try:
+    with _kept_rng():
+        if seeds is not None and isinstance(loader, DataLoader):
+            torch.random.set_rng_state(seeds["torch"])
+            if seeds.get("generator") is not None and loader.generator is not None:
+                loader.generator.set_state(seeds["generator"])
         batches = iter(loader)
         for _ in itertools.islice(batches, done):
             pass
-        return batches
-    finally:
-        torch.random.set_rng_state(before)
+    return batches
 
 
 def _rest(
-    loader: Iterable[Any], epoch: int, start: Position | None, world_size: int, rank: int
+    loader: Iterable[Any],
+    epoch: int,
+    start: Position | None,
+    world_size: int,
+    rank: int,
+    seeds: Mapping[str, Any] | None = None,
 ) -> EpochBatches:
     if isinstance(loader, DataLoader):
         set_epoch(loader, epoch)
     if start is None or start.epoch != epoch or not start.mid_epoch:
         return EpochBatches(loader, 0, _length(loader))
+    if (
+        seeds is not None
+        and start.world_size == world_size
+        and _plain(loader)
+        and _replayed(loader)
+    ):
+        # Read again with the epoch's seeds: each worker (or the rank) draws what it drew.
+        part = EpochBatches(_skipped(loader, start.batches, seeds), start.batches, _length(loader))
+        part.seeds = dict(seeds)
+        return part
     batch = loader.batch_size if isinstance(loader, DataLoader) else None
     regular = (
         start.world_size == world_size
@@ -318,10 +381,15 @@ def _rest(
         sampler.skip_next(start.batches * batch)
         return EpochBatches(loader, start.batches, len(loader))
     if regular:
-        # Another sampler: the rest of this rank's own share, cut as the loader would.
-        rest = list(sampler)[start.batches * batch :]
+        # Another sampler: the rest of this rank's own share, cut as the loader would (neither
+        # the order nor the iterator drawing from torch's generator: the checkpoint's drew).
+        with _kept_rng():
+            rest = list(sampler)[start.batches * batch :]
         mine = [list(b) for b in BatchSampler(rest, batch, loader.drop_last)]
-        return EpochBatches(_loader_like(loader, mine), start.batches, start.batches + len(mine))
+        cut = _skipped(_loader_like(loader, mine), 0)
+        part = EpochBatches(cut, start.batches, start.batches + len(mine))
+        part.seeds = None if seeds is None else dict(seeds)
+        return part
     order = epoch_order(loader, epoch)
     if order is None:
         raise ValueError(
@@ -401,6 +469,74 @@ def remainder_batches(
     return [list(c[rank::world_size]) for c in chunks], [len(c) for c in chunks], 0
 
 
+def inexact_resume(loader: Iterable[Any], start: Position, loader_state: Any) -> str | None:
+    """Why a resume at ``start`` with ``loader`` will not draw what an unbroken run drew; None.
+
+    A plain ``DataLoader`` whose workers persist between epochs (their random
+    state goes on from the first epoch); one resumed mid-epoch from a
+    checkpoint without the epoch's seeds (``loader_state``), when the rest
+    cannot be cut from a known order in this process.
+    """
+    if not _plain(loader):
+        return None
+    seeds = loader_state.get(EPOCH_SEEDS) if isinstance(loader_state, Mapping) else None
+    if loader.num_workers and loader.persistent_workers:
+        why = (
+            f"its {loader.num_workers} workers persist between epochs (persistent_workers="
+            "True), so their random state (each sample's augmentation) goes on from the "
+            "first epoch and cannot be rebuilt"
+        )
+    elif start.mid_epoch and seeds is None and _replayed(loader):
+        why = (
+            "the checkpoint holds no seeds of the epoch's DataLoader iterator (it was saved "
+            "by an older ddpkit, or on another number of ranks), from which its workers' "
+            "augmentation (or a RandomSampler's order) is drawn"
+        )
+    else:
+        return None
+    return (
+        f"the training loader ({type(loader).__name__}) does not resume bit-exactly: {why}. "
+        "The samples are the right ones; for an exact resume build it with "
+        "ddpkit.build_loader (or without persistent_workers)"
+    )
+
+
+def _plain(loader: Iterable[Any]) -> TypeGuard[DataLoader[Any]]:
+    """A ``DataLoader`` whose place is its position and its iterator's seeds (no state, no keys).
+
+    Not ``build_loader``'s: its samples draw from seeds of ``(seed, epoch, index)``.
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.sampler, EpochIndexSampler):
+        return False
+    with warnings.catch_warnings():  # state_holder's warning is given where it is asked
+        warnings.simplefilter("ignore")
+        return state_holder(loader) is None
+
+
+def _replayed(loader: Iterable[Any]) -> bool:
+    """Whether a resume reads ``loader``'s done batches again to draw what they drew.
+
+    All but a ``DataLoader`` read in this process in a known order (a
+    ``DistributedSampler``'s, a ``SequentialSampler``'s), whose rest is cut
+    from its order and draws from the restored RNG: workers draw from seeds
+    of the epoch's start, and a ``RandomSampler`` draws its order from torch's.
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return True
+    known = isinstance(loader.sampler, DistributedSampler | SequentialSampler)
+    return loader.num_workers > 0 or not known
+
+
+@contextlib.contextmanager
+def _kept_rng() -> Iterator[None]:
+    """Torch's CPU generator as it was on entry, whatever the block draws."""
+    before = torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(before)
+
+
 def _plain_batches(loader: DataLoader[Any]) -> bool:
     return (
         type(loader.batch_sampler) is BatchSampler
@@ -472,24 +608,59 @@ def loader_seed(loader: Any) -> int | None:
     return seed if type(seed) is int else None
 
 
-def data_change(start: Position, dataset: Any, seed: int | None = None) -> str | None:
+def data_change(
+    start: Position, dataset: Any, seed: int | None = None, rank: int | None = None
+) -> str | None:
     """How the training set (or ``seed``, its order's) differs from ``start``'s; None: the same.
 
-    A position that recorded no data (before ddpkit recorded them, or an
-    epoch end) is the same for any data.
+    Compared with ``rank``'s own size where the ranks' differed (a stream
+    split by rank; default: this process's rank). A position that recorded
+    no data (before ddpkit recorded them, or an epoch end) is the same for any data.
     """
     if seed is not None and start.data_seed is not None and seed != start.data_seed:
         return f"the training order's seed was {start.data_seed} then and is {seed} now"
-    if start.data_size is None:
+    then = start.rank_data_size(comm.get_rank() if rank is None else rank)
+    if then is None:
         return None
     size, digest = data_identity(dataset)
-    if size is not None and size != start.data_size:
-        return f"the training set had {start.data_size} samples then and has {size} now"
+    if size is not None and size != then:
+        return f"the training set had {then} samples then and has {size} now"
     if digest is not None and start.data_digest is not None and digest != start.data_digest:
         return (
             f"the training set has the same {size} samples but a different index (other "
             f"labels, order or classes: digest {start.data_digest} then, {digest} now)"
         )
+    return None
+
+
+def resume_verdict(
+    loader: Iterable[Any], start: Position, world_size: int, rank: int
+) -> tuple[str | None, str | None]:
+    """Whether a mid-epoch ``start`` fits ``loader``: ``(data change, misfit)``, None each if so.
+
+    The change is :func:`data_change`'s, the misfit :func:`check_start`'s.
+    Each rank judges its own data, and every rank of the process group gets
+    the same verdict (the first rank's that found one, named when the ranks
+    differ), so all resume, move on or stop together: a collective.
+    """
+    change = data_change(start, getattr(loader, "dataset", None), loader_seed(loader), rank)
+    misfit = None
+    if change is None:
+        try:
+            check_start(loader, start, world_size)
+        except ValueError as exc:
+            misfit = str(exc)
+    if comm.get_world_size() < 2:
+        return change, misfit
+    verdicts = comm.all_gather_object((change, misfit))
+    return tuple(_agreed([v[i] for v in verdicts]) for i in (0, 1))  # type: ignore[return-value]
+
+
+def _agreed(found: Sequence[str | None]) -> str | None:
+    """The first rank's finding; named by rank when not every rank found the same."""
+    for rank, text in enumerate(found):
+        if text is not None:
+            return text if all(f == text for f in found) else f"on rank {rank}, {text}"
     return None
 
 
@@ -501,7 +672,7 @@ def check_start(loader: Iterable[Any], start: Position, world_size: int) -> None
             an epoch's batches per rank, or ``start.samples`` more than an
             epoch's samples over all ranks; the message names the field.
     """
-    total = _length(loader)
+    total = _length(loader) if exact_length(loader) else None  # a stream's is a hint
     if not start.mid_epoch or start.world_size != world_size or total is None:
         return
     if start.batches > total:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -39,9 +39,11 @@ from ddpkit.distributed import comm
 
 __all__ = [
     "ANY_WORLD_SIZE",
+    "EPOCH_SEEDS",
     "agreed_lengths",
     "agreed_with_last",
     "agreement_group",
+    "check_batches",
     "exact_length",
     "is_stateful",
     "loader_states_for",
@@ -53,6 +55,8 @@ logger = logging.getLogger("ddpkit")
 # A loader's state_dict() that holds this key set to True says it may be loaded on any
 # number of ranks (its load_state_dict() re-splits the stream itself).
 ANY_WORLD_SIZE = "ddpkit_any_world_size"
+# A plain DataLoader's saved place: {EPOCH_SEEDS: the seeds its epoch's iterator drew from}.
+EPOCH_SEEDS = "ddpkit_epoch_seeds"
 
 
 def is_stateful(thing: Any) -> bool:
@@ -113,20 +117,47 @@ def exact_length(loader: Any) -> bool:
     return isinstance(loader, Sequence)
 
 
-def agreed_lengths(total: int | None) -> tuple[bool, int | None]:
-    """Once per epoch: whether every rank's loader has a length, and the shortest.
+def check_batches(loader: Iterable[Any], world: int) -> None:
+    """Refuse a training loader that yields no batch, before anything is trained or saved.
 
-    Returns ``(True, shortest)`` when every rank knows its epoch's length,
-    ``(False, None)`` when one does not (the ranks then agree batch by batch).
-    One process alone: ``(total is not None, total)``, no collective. All
-    ranks of the process group must call this, or it deadlocks.
+    Only a loader whose length is exact (:func:`exact_length`): a stream's is a
+    hint, and a stream that yields nothing is refused at its epoch's end.
+
+    Raises:
+        ValueError: the loader's exact length is 0; names the batch size and the fix.
+    """
+    if not exact_length(loader) or len(loader) > 0:  # type: ignore[arg-type]
+        return
+    batch = getattr(loader, "batch_size", None)
+    drop = getattr(loader, "drop_last", None)
+    data = getattr(loader, "dataset", None)
+    size = len(data) if data is not None and hasattr(data, "__len__") else "?"
+    raise ValueError(
+        f"the training loader yields no batch: the dataset has {size} samples, a batch is "
+        f"{batch} per process x {world} process(es), drop_last={drop}. Lower the batch size "
+        "(or use more data); with drop_last=False a short last batch is kept"
+    )
+
+
+def agreed_lengths(
+    total: int | None, size: int | None = None
+) -> tuple[bool, int | None, tuple[int | None, ...]]:
+    """Once per epoch: whether every rank's loader has a length, the shortest, each rank's size.
+
+    Returns ``(True, shortest, sizes)`` when every rank knows its epoch's
+    length, ``(False, None, sizes)`` when one does not (the ranks then agree
+    batch by batch); ``sizes`` holds each rank's ``size`` (its training set's,
+    which a stream split by rank has of its own). One process alone:
+    ``(total is not None, total, (size,))``, no collective. All ranks of the
+    process group must call this, or it deadlocks.
     """
     if comm.get_world_size() < 2:
-        return total is not None, total
-    totals = comm.all_gather_object(total)
+        return total is not None, total, (size,)
+    pairs = comm.all_gather_object((total, size))
+    totals, sizes = [t for t, _ in pairs], tuple(n for _, n in pairs)
     if any(t is None for t in totals):
-        return False, None
-    return True, min(t for t in totals if t is not None)
+        return False, None, sizes
+    return True, min(t for t in totals if t is not None), sizes
 
 
 def _every_rank_has(flag: bool, world: int) -> bool:

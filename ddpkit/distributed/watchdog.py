@@ -206,6 +206,7 @@ class HangWatchdog:
         step: Callable[[], int],
         waiting: str = "data",
         busy: str = "compute",
+        ended: Callable[[], bool] | None = None,
     ) -> Iterator[Any]:
         """``batches`` (of ``loader``), with :meth:`progress` told when this rank waits for them.
 
@@ -214,16 +215,19 @@ class HangWatchdog:
         from worker ``k``: until one batch came from each worker (each
         imported, ran its ``worker_init_fn``, fetched), the phase is
         ``"start_" + waiting``; after the last batch of workers that are not
-        persistent, while the iterator joins them, ``"end_" + waiting``.
-        Neither is timed.
+        persistent, while the iterator joins them, and once ``ended()`` says
+        the epoch is over (a rank reading out the rest of a longer stream, to
+        count what it drops), ``"end_" + waiting``. Neither is timed.
         """
         starting = self._starts_workers(loader)
         ending = _ending_workers(loader)
+        over = ended or (lambda: False)
         self.progress(step(), f"start_{waiting}" if starting else waiting)
         for count, batch in enumerate(batches, 1):
-            self.progress(step(), busy)
+            self.progress(step(), f"end_{waiting}" if over() else busy)
             yield batch
-            phase = "start_" if count < starting else "end_" if count == ending else ""
+            end = count == ending or over()
+            phase = "start_" if count < starting else "end_" if end else ""
             self.progress(step(), phase + waiting)
         self.progress(step(), busy)  # what follows the last batch is the work
 

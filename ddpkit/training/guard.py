@@ -41,8 +41,8 @@ from ddpkit.checkpoint.cadence import SaveClock
 from ddpkit.checkpoint.serialization import CheckpointError
 from ddpkit.checkpoint.state import TrainingState
 from ddpkit.checkpoint.sync import claim_directory
-from ddpkit.data.resume import EpochBatches, check_start, data_change, epoch_batches, loader_seed
-from ddpkit.data.streams import loader_states_for, state_holder
+from ddpkit.data.resume import EpochBatches, epoch_batches, inexact_resume, resume_verdict
+from ddpkit.data.streams import EPOCH_SEEDS, loader_states_for, state_holder
 from ddpkit.distributed import comm
 from ddpkit.distributed.devices import module_device
 from ddpkit.distributed.parallel import no_sync, unwrap_model
@@ -202,9 +202,11 @@ class StepGuard:
         if start.mid_epoch:
             start = self._checked(start, loader)
         mid = start.mid_epoch
-        state.advance(
-            start, loop=state.loop if mid else None, loader_state=self._place(loader, mid)
-        )
+        place = self._place(loader, mid)
+        state.advance(start, loop=state.loop if mid else None, loader_state=place)
+        why = inexact_resume(loader, start, place)
+        if why is not None and self._rank == 0:
+            warnings.warn(f"{manager.resumed_checkpoint}: {why}", RuntimeWarning, stacklevel=2)
         return start.epoch
 
     def _place(self, loader: Iterable[Any], mid: bool) -> Any:
@@ -215,6 +217,9 @@ class StepGuard:
         saved = manager.resumed.loader
         if not saved or all(s is None for s in saved):
             return None
+        if all(isinstance(s, Mapping) and EPOCH_SEEDS in s for s in saved):
+            # A plain DataLoader's seeds: this rank's, on the ranks that drew them.
+            return saved[self._rank] if mid and len(saved) == self._world else None
         if state_holder(loader) is None:
             if mid and self._rank == 0:
                 warnings.warn(
@@ -236,16 +241,14 @@ class StepGuard:
         manager = self.checkpoints
         assert manager is not None
         name = manager.resumed_checkpoint
-        change = data_change(start, getattr(loader, "dataset", None), loader_seed(loader))
+        change, misfit = resume_verdict(loader, start, self._world, self._rank)
+        if misfit is not None:
+            raise CheckpointError(
+                f"{name} cannot be resumed with this training loader: {misfit}. Resume with "
+                "the loader (data, batch size) it was saved with, or from another checkpoint. "
+                + see("checkpoints")
+            )
         if change is None:
-            try:
-                check_start(loader, start, self._world)
-            except ValueError as exc:
-                raise CheckpointError(
-                    f"{name} cannot be resumed with this training loader: {exc}. "
-                    "Resume with the loader (data, batch size) it was saved with, or "
-                    "from another checkpoint. " + see("checkpoints")
-                ) from None
             return start
         where = (
             f"{name} stopped in epoch {start.epoch + 1} after {start.samples} samples, and {change}"
@@ -281,17 +284,19 @@ class StepGuard:
         self._handed = epoch  # a second call in the epoch is the whole epoch, not a resume
         start = at if fresh and at.epoch == epoch and at.mid_epoch else None
         place = state.loader_state if start is not None else None
+        self.progress("start_data")  # a resume may read done batches again first: not a hang
         part = epoch_batches(
             loader, epoch, start, world_size=self._world, rank=self._rank, loader_state=place
         )
         if self.watchdog is not None:
             # The rest of a resumed epoch may come from a loader of its own, with its workers.
             source = part.batches if isinstance(part.batches, DataLoader) else loader
-            part.batches = self.watched(source, part.batches, "data", "compute")
+            # Read past the agreed end (to count what this rank drops): not a hang.
+            part.batches = self.watched(source, part.batches, "data", "compute", lambda: part.last)
         return part
 
     def watched(
-        self, loader: Any, batches: Iterable[Any], waiting: str, busy: str
+        self, loader: Any, batches: Iterable[Any], waiting: str, busy: str, ended: Any = None
     ) -> Iterable[Any]:
         """``batches`` (of ``loader``), telling the watchdog (if any) when this rank waits for them.
 
@@ -299,7 +304,7 @@ class StepGuard:
         """
         if self.watchdog is None:
             return batches
-        return self.watchdog.watch(loader, batches, lambda: self.step, waiting, busy)
+        return self.watchdog.watch(loader, batches, lambda: self.step, waiting, busy, ended)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -444,8 +449,7 @@ class StepGuard:
         actions = control.after_step(position.step, counted=counted, timed=timed)
         save = manager is not None and SaveClock.step_checkpoint(actions.save, last)
         if manager is not None and (save or actions.stop is not None):
-            held = isinstance(part, EpochBatches) and part.holder is not None
-            place = part.loader_state() if held and isinstance(part, EpochBatches) else None
+            place = part.loader_state() if isinstance(part, EpochBatches) else None
             state.advance(position, loop=_totals(loop), loader_state=place)
         if actions.stop is not None:
             self._stop(actions.stop, mid_epoch=True)

@@ -34,6 +34,7 @@ from ddpkit.checkpoint import CheckpointManager
 from ddpkit.checkpoint.files import BEST
 from ddpkit.checkpoint.state import TrainingState
 from ddpkit.checkpoint.sync import claim_directory
+from ddpkit.data.streams import check_batches
 from ddpkit.distributed import comm
 from ddpkit.distributed.devices import module_device
 from ddpkit.distributed.hang_report import is_collective_failure, report_collective_failure
@@ -323,7 +324,7 @@ def _open_report(
         )
     if val_loader is None and checkpoints is not None:
         reporter.say("no val_loader: weight files are named by epoch alone, and no best.pth")
-    _check_batches(train_loader, world)
+    check_batches(train_loader, world)
     if checkpoints is not None:
         # Every checkpoint records the trackers' runs and the run's configuration: a
         # resumed job continues those runs, and the configuration it was trained with.
@@ -469,25 +470,6 @@ def _header(world: int, epochs: int, config: TrainConfig, loader: Any) -> dict[s
             "torchvision": torchvision.__version__,
         },
     }
-
-
-def _check_batches(loader: Iterable[Any], world: int) -> None:
-    """Refuse a training loader that yields no batch, before anything is trained or saved."""
-    try:
-        count = len(loader)  # type: ignore[arg-type]
-    except TypeError:
-        return  # an iterable without a length: nothing to check
-    if count > 0:
-        return
-    batch = getattr(loader, "batch_size", None)
-    drop = getattr(loader, "drop_last", None)
-    data = getattr(loader, "dataset", None)
-    size = len(data) if data is not None and hasattr(data, "__len__") else "?"
-    raise ValueError(
-        f"the training loader yields no batch: the dataset has {size} samples, a batch is "
-        f"{batch} per process x {world} process(es), drop_last={drop}. Lower the batch size "
-        "(or use more data); with drop_last=False a short last batch is kept"
-    )
 
 
 def _configs(

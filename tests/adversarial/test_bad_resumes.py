@@ -159,6 +159,33 @@ def test_two_gloo_ranks_refuse_other_data_and_take_the_option(tmp_path: Path) ->
     assert [records for _, records in went] == [[(2, 24)], [(2, 24)]]  # 3 steps of 4 x 2
 
 
+def _one_rank_changed_job(
+    rank: int, world: int, directory: str, seed: int, option: str
+) -> tuple[str | None, list[tuple[int, int]]]:
+    """``_changed_data_job`` where only rank 1's data changed (120 samples, or relabelled)."""
+    n = 120 if rank == 1 and seed == 0 else 96
+    return _changed_data_job(rank, world, directory, n, seed if rank == 1 else 0, option)
+
+
+@pytest.mark.parametrize("seed", [0, 1], ids=["bigger", "relabelled"])
+def test_data_changed_on_one_rank_is_the_same_verdict_on_every_rank(
+    tmp_path: Path, seed: int
+) -> None:
+    # Each rank judged its own data: rank 1 alone refused (or moved on) and the other hung.
+    said = run_distributed(
+        _one_rank_changed_job, 2, args=(str(tmp_path / "a"), seed, "error"), timeout=240
+    )
+    errors = [error for error, _ in said]
+    assert errors[0] is not None
+    assert errors[0] == errors[1]
+    assert "on rank 1, the training set" in errors[0]
+    went = run_distributed(
+        _one_rank_changed_job, 2, args=(str(tmp_path / "b"), seed, "next_epoch"), timeout=240
+    )
+    assert went[0][1] == went[1][1]
+    assert went[0][1][0][0] == 2
+
+
 def test_a_checkpoint_without_the_data_fields_still_resumes(tmp_path: Path) -> None:
     _fit(0, 1, str(tmp_path), _Blobs(96), epochs=1)
     step = _step_file(tmp_path)

@@ -105,7 +105,8 @@ def test_a_saved_place_continues_the_epoch_where_it_stood_and_keeps_the_generato
     torch.manual_seed(0)
     before = torch.random.get_rng_state()
     start = Position(0, 2, 2 * BATCH, 2, 1)
-    part = epoch_batches(loader, 0, start, loader_state={"next": 2 * BATCH})
+    loader = make_loader("stateful-dataset", 5 * BATCH, 3, 0, {})  # a resumed run's
+    part = epoch_batches(loader, 0, start, loader_state={"epoch": 0, "next": 2 * BATCH})
     assert torch.equal(torch.random.get_rng_state(), before)  # the iterator drew nothing
     assert [targets.tolist() for _, targets in part] == whole[2:]
     assert part.done == 5
@@ -116,6 +117,7 @@ def test_a_plain_stream_is_read_up_to_its_place_without_drawing_random_numbers()
     loader = make_loader("plain", 5 * BATCH, 3, 0, {})
     whole = [targets.tolist() for _, targets in epoch_batches(loader, 0)]
     before = torch.random.get_rng_state()
+    loader = make_loader("plain", 5 * BATCH, 3, 0, {})  # a resumed run's
     part = epoch_batches(loader, 0, Position(0, 3, 3 * BATCH, 3, 1))
     assert torch.equal(torch.random.get_rng_state(), before)
     assert [targets.tolist() for _, targets in part] == whole[3:]
@@ -172,3 +174,95 @@ def test_set_epoch_reaches_a_stream_with_a_set_epoch_of_its_own() -> None:
     stream = Epochs(4, 0)
     set_epoch(DataLoader(stream, batch_size=2), 3)
     assert stream.epoch == 3
+
+
+def _documented_numbers() -> type:
+    """docs/data.md's stateful ``Numbers`` stream, as a reader would copy it."""
+    from doc_blocks import ROOT, parse
+
+    block = next(b for b in parse(ROOT / "docs/data.md") if "class Numbers(" in b.code)
+    namespace: dict[str, Any] = {}
+    exec(block.code.split("\nmodel = ")[0], namespace)  # the imports and the class
+    return namespace["Numbers"]
+
+
+@pytest.mark.parametrize("n", [20, 22])
+def test_the_documented_stateful_stream_resumes_exactly_after_any_batch_even_an_ended_worker(
+    n: int,
+) -> None:
+    # A worker whose share ended first is saved "ended"; torchdata asks it for a batch again
+    # on resume. The documented dataset reset its place to 0 there: its whole share again.
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    numbers = _documented_numbers()
+
+    def loader() -> Any:
+        return StatefulDataLoader(numbers(n), batch_size=4, num_workers=2)
+
+    whole, places = [], []
+    first = loader()
+    for _, labels in first:
+        whole.append(labels.tolist())
+        places.append(first.state_dict())
+    ended = 0
+    for k, place in enumerate(places[:-1], 1):
+        snapshots = place["_snapshot"]["_worker_snapshots"].values()
+        ended += any(s["fetcher_state"]["fetcher_ended"] for s in snapshots)
+        resumed = loader()
+        resumed.load_state_dict(place)
+        assert [labels.tolist() for _, labels in resumed] == whole[k:], f"after batch {k}"
+    assert ended  # the case of the defect was met
+    again = numbers(n)  # the next epoch starts at the beginning, told by set_epoch
+    again.load_state_dict({"epoch": 0, "next": n})
+    set_epoch(DataLoader(again, batch_size=4), 1)
+    assert sum(1 for _ in again) == n
+
+
+def test_a_loader_with_a_length_counts_what_it_drops_without_reading_it() -> None:
+    from stream_jobs import sized_apart_run
+
+    from ddpkit.testing import run_distributed
+
+    results = run_distributed(sized_apart_run, 2, timeout=120)
+    assert results == [
+        {"taken": 2, "dropped": 0, "read": 8},
+        {"taken": 2, "dropped": 3, "read": 8},  # 12 samples beyond the agreed end never read
+    ]
+
+
+def test_a_streams_length_hint_bounds_no_resume_but_a_map_style_length_does() -> None:
+    from ddpkit.data.resume import resume_verdict
+
+    past = Position(0, 9, 36, 9, 1)  # batch 9 of a stream whose hint says 8
+    assert resume_verdict(DataLoader(_Hinted(48, 32), batch_size=4), past, 1, 0) == (None, None)
+    _, misfit = resume_verdict(DataLoader(list(range(32)), batch_size=4), past, 1, 0)
+    assert misfit is not None
+    assert "has 8 batches per rank" in misfit
+
+
+class _Pairs(IterableDataset[tuple[torch.Tensor, int]]):
+    """8 samples whose ``__len__`` hint says 0."""
+
+    def __iter__(self) -> Any:
+        return ((torch.full((8,), float(i)), i % 3) for i in range(8))
+
+    def __len__(self) -> int:
+        return 0
+
+
+def test_a_stream_whose_hint_is_zero_trains_and_an_empty_map_style_loader_is_refused() -> None:
+    from ddpkit.data.streams import check_batches
+
+    model = torch.nn.Linear(8, 3)
+    history = ddpkit.fit(
+        model,
+        DataLoader(_Pairs(), batch_size=4),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        criterion=torch.nn.CrossEntropyLoss(),
+        epochs=1,
+        config=ddpkit.TrainConfig(normalize=None),
+        report=ddpkit.ReportConfig(progress=False),
+    )
+    assert history.records[0]["train_samples"] == 8
+    with pytest.raises(ValueError, match="the training loader yields no batch"):
+        check_batches(DataLoader(list(range(3)), batch_size=4, drop_last=True), 1)

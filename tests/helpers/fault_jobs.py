@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +224,33 @@ def resumed_then_fresh(rank: int, world_size: int, plan: dict[str, Any]) -> dict
     outcome = faulty_run(rank, world_size, {**plan, "resume": True})
     fresh = faulty_run(rank, world_size, {**plan, "dir": plan["fresh"], "resume": False})
     return {**outcome, "reference": fresh["weights"], "fresh_steps": fresh["steps"]}
+
+
+def killed_and_resumed(
+    run: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    plan: dict[str, Any],
+    directory: Path,
+    kill_at: tuple[int, int] = (1, 9),
+) -> list[dict[str, Any]]:
+    """``run(plan)`` with rank ``kill_at[0]`` SIGKILLed after step ``kill_at[1]``, then resumed.
+
+    The kill waits for the checkpoint of the step before it to be on disk.
+    """
+    import pytest
+
+    from ddpkit import RankFailedError
+
+    step = kill_at[1]
+    killing = {**plan, "dir": str(directory), "kill_at": kill_at, "saved_before_kill": step - 1}
+    with pytest.raises(RankFailedError, match="exited with code -9"):
+        run(killing)
+    return run({**plan, "dir": str(directory), "resume": True})
+
+
+def assert_same_weights(results: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
+    """Each rank's ``weights`` (and ``rng``, when given) ``torch.equal`` to the reference's."""
+    for rank, (result, expected) in enumerate(zip(results, reference, strict=True)):
+        for key, value in expected["weights"].items():
+            assert torch.equal(result["weights"][key], value), f"rank {rank}: {key}"
+        if "rng" in expected:
+            assert torch.equal(result["rng"], expected["rng"]), f"rank {rank}: the RNG"

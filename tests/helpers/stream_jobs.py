@@ -23,7 +23,15 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from train_jobs import small_net, worker_start
 
 import ddpkit.data.streams
-from ddpkit import CheckpointManager, LazyLMDBDataset, ReportConfig, TrainConfig, fit, wrap_ddp
+from ddpkit import (
+    CheckpointManager,
+    FaultConfig,
+    LazyLMDBDataset,
+    ReportConfig,
+    TrainConfig,
+    fit,
+    wrap_ddp,
+)
 
 BATCH = 4
 
@@ -39,7 +47,12 @@ class Stream(IterableDataset[tuple[torch.Tensor, int]]):
     """``n`` samples, no length, no state: split among DataLoader workers by index."""
 
     def __init__(self, n: int, salt: int) -> None:
-        self.n, self.salt, self.next = n, salt, 0
+        self.n, self.salt, self.epoch, self.next = n, salt, 0, 0
+        self.slow_from = n
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.next = epoch, 0  # a new epoch starts at the beginning
 
     def _mine(self) -> tuple[int, int]:
         info = get_worker_info()
@@ -51,19 +64,28 @@ class Stream(IterableDataset[tuple[torch.Tensor, int]]):
         while index < self.n:
             if index % workers == worker:
                 self.next = index + 1  # before the sample leaves: the place after it
+                if index >= self.slow_from:
+                    time.sleep(0.15)  # a slow tail: a long read past the others' end
                 yield sample(self.salt, index)
             index += 1
-        self.next = 0  # the epoch is over: the next one starts at the beginning
+        self.next = self.n  # ended: a worker resumed here has nothing left of this epoch
 
 
 class StatefulStream(Stream):
     """``Stream`` that keeps its place in ``state_dict()``."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next": self.next}
+        return {"epoch": self.epoch, "next": self.next}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.next = int(state["next"])
+        self.epoch, self.next = int(state["epoch"]), int(state["next"])
+
+
+class SizedStatefulStream(StatefulStream):
+    """``StatefulStream`` with a length: each rank's own (WebDataset's ``with_length``)."""
+
+    def __len__(self) -> int:
+        return self.n
 
 
 def _end_with(trainer: int, worker_id: int) -> None:
@@ -88,6 +110,9 @@ def _end_with(trainer: int, worker_id: int) -> None:
 
 def make_loader(kind: str, n: int, salt: int, workers: int, plan: dict[str, Any]) -> Any:
     data: Any = StatefulStream(n, salt) if kind.startswith("stateful") else Stream(n, salt)
+    if kind == "stateful-sized":
+        data, kind = SizedStatefulStream(n, salt), "stateful-dataset"
+    data.slow_from = plan["slow_from"][salt] if "slow_from" in plan else n
     start: dict[str, Any] = {}
     if workers:
         start["multiprocessing_context"] = worker_start(data)
@@ -184,6 +209,7 @@ def stream_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, An
         checkpoints=manager,
         resume=plan.get("resume", False),
         report=ReportConfig(progress=False),
+        faults=FaultConfig(hang_timeout=plan.get("hang_timeout")),
         step_callbacks=[lambda info: steps.append(info["batch"])],
     )
     weights = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
@@ -194,3 +220,25 @@ def stream_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, An
         "start": manager.position if manager is not None else None,
         "agreements": agreements[0],
     }
+
+
+class Counted(torch.utils.data.Dataset[tuple[torch.Tensor, int]]):
+    """``n`` samples, each read recorded: what a rank decoded."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.read = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        self.read += 1
+        return torch.zeros(8), index % 3
+
+
+def sized_apart_run(rank: int, world_size: int) -> dict[str, int]:
+    """Rank 1's map-style loader holds 3 batches more than rank 0's: dropped, counted unread."""
+    data = Counted(8 if rank == 0 else 20)
+    part = ddpkit.epoch_batches(DataLoader(data, batch_size=4), 0)
+    taken = sum(1 for _ in part)
+    return {"taken": taken, "dropped": part.dropped, "read": data.read}

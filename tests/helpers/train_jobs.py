@@ -10,6 +10,7 @@ import multiprocessing.forkserver
 import os
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -429,3 +430,58 @@ def slow_tracker_run(rank: int, world_size: int, directory: str, delay: float) -
         faults=FaultConfig(hang_timeout=2.0),
     )
     return len(history.records)
+
+
+def plain_loader_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, Any]:
+    """A loop of one's own over the recipe's loader: ``DataLoader(sampler=DistributedSampler)``.
+
+    ``NoisyBlobs`` draws each sample's augmentation from the torch RNG of the
+    process that reads it (the rank, or a worker); ``plan`` says the workers,
+    where to kill (``fault_jobs.Hooked``) and whether to resume.
+    """
+    import functools
+
+    from fault_jobs import Hooked  # type: ignore[import-not-found]
+    from stream_jobs import _end_with  # type: ignore[import-not-found]
+    from torch.utils.data import DistributedSampler
+
+    from ddpkit import StepGuard, TrainingState
+
+    torch.manual_seed(1234)  # the same initial weights on every rank
+    data = NoisyBlobs(40)
+    workers = plan.get("workers", 0)
+    start: dict[str, Any] = {}
+    if workers:
+        start["multiprocessing_context"] = worker_start(data)
+        start["worker_init_fn"] = functools.partial(_end_with, os.getpid())
+        start["persistent_workers"] = plan.get("persistent", False)
+    sampler = plan.get("sampler", "distributed")
+    order: Any = DistributedSampler(data, seed=3) if sampler == "distributed" else None
+    loader = DataLoader(
+        data, batch_size=4, sampler=order, shuffle=sampler == "random", num_workers=workers, **start
+    )
+    model = wrap_ddp(small_net())
+    optimizer = Hooked(model.parameters(), plan, rank)
+    state = TrainingState(model, optimizer)
+    manager = CheckpointManager(plan["dir"], state=state, every_steps=plan.get("every_steps", 1))
+    criterion = nn.CrossEntropyLoss()
+    with StepGuard(manager) as guard, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = guard.resume(loader) if plan.get("resume") else 0
+        start_step = guard.step
+        for epoch in range(first, plan.get("epochs", 2)):
+            model.train()
+            part = guard.batches(loader, epoch)
+            for x, y in part:
+                with guard.forward(part):
+                    loss = criterion(model(x), y)
+                guard.backward(loss, part)
+            guard.end_epoch(epoch)
+    weights = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return {
+        "weights": weights,
+        "start": start_step,
+        "rng": torch.random.get_rng_state(),
+        "said": said,
+    }

@@ -161,3 +161,23 @@ def test_skip_next_applies_to_one_epoch_only() -> None:
     assert list(sampler) == whole
     with pytest.raises(ValueError, match="count"):
         sampler.skip_next(-1)
+
+
+def test_a_plain_loader_resumed_without_its_epochs_seeds_is_said_inexact() -> None:
+    from ddpkit.data.resume import inexact_resume
+    from ddpkit.data.streams import EPOCH_SEEDS
+
+    data, mid = Recorded(16), Position(0, 2, 8, 2, 1)
+    order = DistributedSampler(data, num_replicas=1, rank=0)
+    workers = DataLoader(data, batch_size=4, sampler=order, num_workers=2)
+    said = inexact_resume(workers, mid, None)
+    assert said is not None
+    assert "holds no seeds" in said
+    assert "build_loader" in said
+    part = epoch_batches(DataLoader(data, batch_size=4, sampler=order), 0, world_size=1, rank=0)
+    assert part.loader_state() is not None
+    assert inexact_resume(workers, mid, part.loader_state()) is None
+    assert EPOCH_SEEDS in part.loader_state()
+    in_rank = DataLoader(data, batch_size=4, sampler=order)  # cut from its known order
+    assert inexact_resume(in_rank, mid, None) is None
+    assert inexact_resume(_loader(16, 1, 0, 4), mid, None) is None  # build_loader's

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from fault_jobs import assert_same_weights, killed_and_resumed
 from stream_jobs import stream_run, write_shards
 
 import ddpkit
@@ -40,16 +41,10 @@ def _same_replicas(results: list[dict[str, Any]]) -> None:
 
 def _killed_and_resumed(plan: dict[str, Any], directory: Path) -> list[dict[str, Any]]:
     """Kill rank 1 in step 9 (mid epoch 2: step 8's checkpoint on disk), then resume."""
-    killing = {**plan, "dir": str(directory), "kill_at": (1, 9), "saved_before_kill": 8}
-    with pytest.raises(RankFailedError, match="exited with code -9"):
-        _run(killing)
-    return _run({**plan, "dir": str(directory), "resume": True})
+    return killed_and_resumed(_run, plan, directory)
 
 
-def _assert_equal(results: list[dict[str, Any]], reference: list[dict[str, Any]]) -> None:
-    for rank, (result, expected) in enumerate(zip(results, reference, strict=True)):
-        for key, value in expected["weights"].items():
-            assert torch.equal(result["weights"][key], value), f"rank {rank}: {key}"
+_assert_equal = assert_same_weights
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +118,24 @@ def test_a_stateful_dataloader_with_workers_resumes_bit_exact_after_a_kill(
     assert reference[0]["records"][0]["rank_dropped_batches"] == [0, 2]
 
 
+def test_a_resume_right_after_a_workers_share_ended_trains_the_rest_once(
+    with_workers: tuple[list[dict[str, Any]], Path], tmp_path: Path
+) -> None:
+    # Rank 0's worker 0 yields its last batch in step 5 of 6: the step-5 checkpoint holds it
+    # ended. Its share was trained again on resume (3 steps instead of 1).
+    reference, _ = with_workers
+    plan = {"kind": "stateful-loader", "batches": APART, "workers": 2, "every_steps": 1}
+    plan |= {"dir": str(tmp_path), "kill_at": (1, 6), "saved_before_kill": 5}
+    with pytest.raises(RankFailedError, match="exited with code -9"):
+        _run(plan)
+    results = _run({**plan, "kill_at": None, "resume": True})
+    assert results[0]["start"].batches == 5
+    assert results[0]["steps"] == [6, 1, 2, 3, 4, 5, 6]
+    for key in ("train_samples", "rank_dropped_batches"):
+        assert results[0]["records"][0][key] == reference[0]["records"][0][key]
+    _assert_equal(results, reference)
+
+
 def test_a_streams_place_on_another_number_of_ranks_is_refused(
     with_workers: tuple[list[dict[str, Any]], Path],
 ) -> None:
@@ -162,3 +175,24 @@ def test_webdataset_shards_from_an_lmdb_train_on_two_ranks_and_resume_exactly(
     assert reference[0]["steps"] == [1, 2, 3, 4, 5, 6] * 2
     results = _killed_and_resumed(plan, tmp_path / "killed")
     _assert_equal(results, reference)
+
+
+def test_streams_whose_length_differs_per_rank_resume_mid_epoch_exactly(
+    tmp_path: Path,
+) -> None:
+    # Each rank's stream has a length of its own (split by node, with a length): the position
+    # recorded rank 0's and rank 1 alone refused its own as changed data.
+    plan = {"kind": "stateful-sized", "batches": APART}
+    reference = _run({**plan, "dir": str(tmp_path / "reference")})
+    results = _killed_and_resumed(plan, tmp_path / "killed")
+    assert results[0]["start"].data_sizes == (20, 28)
+    assert results[0]["start"].batches == 3
+    _assert_equal(results, reference)
+
+
+def test_a_rank_reading_out_its_longer_stream_is_not_called_hung() -> None:
+    # Rank 1 holds 6 batches more, read slowly (3.6 s) after the agreed end, to count them.
+    plan = {"kind": "plain", "batches": [3, 9], "slow_from": [12, 12], "hang_timeout": 1.5}
+    results = _run({**plan, "epochs": 1})
+    assert results[1]["records"][0]["rank_dropped_batches"] == [0, 6]
+    _same_replicas(results)
