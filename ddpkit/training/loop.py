@@ -295,15 +295,14 @@ def _open_report(
         world, epochs, run.config, val_loader if val_loader is not None else train_loader
     )
     resumed = checkpoints.resumed_extra if checkpoints is not None and start else {}
-    saved_runs, saved_ledger = resumed.get("trackers"), resumed.get("tracker_ledger")
+    saved_runs, saved_records = resumed.get("trackers"), resumed.get("tracker_records")
     failure: TrackerError | None = None
     try:
         runs = reporter.start(
             header,
             resumed=start is not None,
             tracker_runs=saved_runs if isinstance(saved_runs, dict) else None,
-            done_epochs=start.epoch if start is not None else 0,
-            tracker_ledger=saved_ledger if isinstance(saved_ledger, dict) else None,
+            tracker_records=saved_records if isinstance(saved_records, list) else None,
         )
     except TrackerError as exc:  # rank 0's: every rank stops before training
         runs, failure = {}, exc
@@ -376,12 +375,11 @@ def _finish_epoch(
     history.records.append(record)
     run.reporter.epoch(record, epochs, run.guard.step)
     if run.guard.checkpoints is not None and run.reporter.tracker_names:
-        # The ledger travels with the checkpoints: a resume whose trackers.json is gone
-        # (another log_dir, another node) logs each epoch once all the same.
-        ledger = run.reporter.tracker_ledger()
+        # The records travel with the checkpoints: a resumed job sends the runs what they lack.
+        records = run.reporter.tracker_records()
         if comm.get_world_size() > 1:  # every node's copy carries rank 0's
-            ledger = comm.all_gather_object(ledger)[0]
-        state.extra["tracker_ledger"] = ledger
+            records = comm.all_gather_object(records)[0]
+        state.extra["tracker_records"] = records
     for callback in callbacks:
         callback(record)
     # Without validation no accuracy names the weight file or picks best.pth.

@@ -113,18 +113,17 @@ class Reporter:
         *,
         resumed: bool,
         tracker_runs: dict[str, Any] | None = None,
-        done_epochs: int = 0,
-        tracker_ledger: dict[str, Any] | None = None,
+        tracker_records: list[Any] | None = None,
     ) -> dict[str, str]:
         """Begin ``metrics.jsonl`` with a run header, and the trackers' runs.
 
         A fresh run starts a fresh record (an earlier run's file is kept as
         ``metrics-<its run id>.jsonl``); a resumed one continues its run's
         record and id, with a header saying where it resumed. Each tracker
-        continues its run of ``tracker_runs`` (a resumed checkpoint's) and
-        sends, once, the epochs it lacks (``tracker_ledger``, the checkpoint's
-        :meth:`~ddpkit.training.trackers.Trackers.ledger`, and ``done_epochs``
-        say which); returns ``{tracker: run id}`` (empty on other ranks).
+        continues its run of ``tracker_runs`` (a resumed checkpoint's) and is
+        sent the epochs of ``tracker_records`` (the checkpoint's
+        :meth:`~ddpkit.training.trackers.Trackers.records`) it may lack;
+        returns ``{tracker: run id}`` (empty on other ranks).
 
         Raises:
             TrackerError: (rank 0) a tracker asked for cannot start its run.
@@ -136,7 +135,7 @@ class Reporter:
         runs: dict[str, str] = {}
         if self._trackers is not None:
             config = self.config.run_config
-            runs = self._trackers.start(tracker_runs, config, done_epochs, tracker_ledger)
+            runs = self._trackers.start(tracker_runs, config, tracker_records)
             if self.config.trackers is not None:
                 header = {**header, "trackers": runs}
         if self.config.log_dir is None:
@@ -176,21 +175,21 @@ class Reporter:
             self._trackers.epoch(record, step)
         self.say(epoch_line(record, epochs))
 
-    def tracker_ledger(self) -> dict[str, Any]:
-        """What the trackers received and confirmed, for the checkpoints ({} without trackers)."""
-        return self._trackers.ledger() if self._trackers is not None else {}
+    def tracker_records(self) -> list[Any]:
+        """The run's epoch records as the trackers got them, for the checkpoints."""
+        return self._trackers.records() if self._trackers is not None else []
 
     def finish(self, records: list[dict[str, Any]], best_checkpoint: str | None = None) -> None:
         """The summary table at the end of a run, ``curves.png`` where it can be drawn, and
         ``best_checkpoint`` (a path) and the picture sent to the trackers.
 
-        With no ``records`` (a resumed run that had nothing left to train) only a
-        tracker run whose end was not recorded (the job stopped there) gets it."""
+        With no ``records`` (a resumed run that had nothing left to train) only the
+        trackers get their end again (the job may have stopped in it)."""
         self._finished = True
         if not self.is_main:
             return
         if not records:
-            if self._trackers is not None and self._trackers.unfinished():
+            if self._trackers is not None:
                 picture = self._plot() if self.config.log_dir is not None else None
                 self._trackers.finish(best_checkpoint, picture)
             return

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
-import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -327,14 +325,18 @@ def tracker_job(
             # busy machine): the job dies between two checkpoints, not before its first,
             # once every tracker received the epoch (they log on a thread of their own).
             checkpoints.wait()
-            ledger = Path(directory) / "logs" / "trackers.json"
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                with contextlib.suppress(OSError, ValueError):
-                    entries = json.loads(ledger.read_text()).values()
-                    if len(entries) == 3 and all(e["epoch"] >= kill_at for e in entries):
-                        break
+            from mlflow import MlflowClient
+
+            client, deadline = MlflowClient(), time.monotonic() + 60
+            runs = client.search_runs(
+                [client.get_experiment_by_name("trackers-test").experiment_id]
+            )
+            while time.monotonic() < deadline:  # MLflow (the second tracker) has the epoch
+                history = client.get_metric_history(runs[0].info.run_id, "epoch")
+                if any(m.value == kill_at for m in history):
+                    break
                 time.sleep(0.05)
+            time.sleep(0.2)  # W&B (the third) had it handed over, perhaps not yet written
             os.kill(os.getpid(), signal.SIGKILL)
 
     fit(

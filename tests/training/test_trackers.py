@@ -1,17 +1,18 @@
 """Trackers against the real libraries, read back from what they wrote: one run per job.
 
 A job is SIGKILLed after epoch 2 is logged and before its checkpoint is
-written (W&B has written none of its run file yet), then resumed to 3 epochs
-on another number of ranks: MLflow (a local file
-store, read with ``MlflowClient``), W&B (offline, its run files read back)
-and TensorBoard (its event reader) each hold one run with every epoch once,
-with the values of ``metrics.jsonl``.
+written, then resumed to 3 epochs on another number of ranks: MLflow (a local
+file store, read with ``MlflowClient``), W&B (offline; its run files read back
+and synced as its server would, dropping steps below the run's) and
+TensorBoard (its event reader, which applies ``purge_step``) each hold one run
+with every epoch once, with the values of ``metrics.jsonl``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from warm import warm_run  # type: ignore[import-not-found]
 
 from ddpkit import ReportConfig
 from ddpkit.testing import run_distributed
-from ddpkit.training.trackers import LEDGER, Trackers
+from ddpkit.training.trackers import Trackers
 
 pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
@@ -59,15 +60,15 @@ def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def resumed_without_ledger(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same kill, then a resume whose log directory holds no ``trackers.json`` (rank 0
-    requeued onto a node whose disk lacks it): the checkpoint's copy of the ledger decides."""
-    root = tmp_path_factory.mktemp("trackers-no-ledger")
+def resumed_elsewhere(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same kill, then a resume whose log directory is empty (rank 0 requeued onto a
+    node whose disk lacks it): the checkpoint's records are all the trackers are sent."""
+    root = tmp_path_factory.mktemp("trackers-elsewhere")
     env = {**os.environ, **_tracker_env(root), "PYTHONPATH": f"{ROOT}:{ROOT / 'tests/helpers'}"}
     code = f"from train_jobs import tracker_job; tracker_job(0, 1, {str(root)!r}, 3, False, 2)"
     killed = warm_run([sys.executable, "-c", code], env=env, timeout=240)
     assert killed.returncode == -9
-    (root / "logs" / LEDGER).unlink()
+    shutil.rmtree(root / "logs")
     with pytest.MonkeyPatch.context() as mp:
         for key, value in _tracker_env(root).items():
             mp.setenv(key, value)
@@ -75,14 +76,13 @@ def resumed_without_ledger(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def test_without_the_ledger_every_tracker_holds_every_epoch_once(
-    resumed_without_ledger: Path,
+def test_resumed_on_an_empty_log_dir_every_tracker_holds_every_epoch_once(
+    resumed_elsewhere: Path,
 ) -> None:
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from wandb.proto import wandb_internal_pb2 as pb
 
-    root = resumed_without_ledger
+    root = resumed_elsewhere
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient((root / "mlruns").as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("trackers-test").experiment_id])
@@ -90,29 +90,17 @@ def test_without_the_ledger_every_tracker_holds_every_epoch_once(
     events = EventAccumulator(str(root / "logs"))
     events.Reload()
     assert [e.value for e in events.Scalars("epoch")] == [1, 2, 3]
-    epochs = []
-    for file in sorted((root / "logs" / "wandb").glob("offline-run-*/run-*.wandb")):
-        for data in _wandb_records(file):
-            record = pb.Record()
-            record.ParseFromString(data)
-            if record.WhichOneof("record_type") == "history":
-                row = {
-                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                    for i in record.history.item
-                }
-                if "epoch" in row:
-                    epochs.append(row["epoch"])
-    assert sorted(epochs) == [1, 2, 3]  # none lost with the killed job, none twice
+    assert [epoch for epoch, _ in _wandb_synced(root)] == [1, 2, 3]
 
 
-def _jsonl(root: Path) -> dict[int, float]:
-    """metrics.jsonl's train_loss of each epoch, as first logged."""
-    seen: dict[int, float] = {}
+def _jsonl(root: Path, which: int = 0) -> dict[int, float]:
+    """metrics.jsonl's train_loss of each epoch, as first logged (``which=-1``: last)."""
+    seen: dict[int, list[float]] = {}
     for line in (root / "logs" / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if "epoch" in record:
-            seen.setdefault(record["epoch"], record["train_loss"])
-    return seen
+            seen.setdefault(record["epoch"], []).append(record["train_loss"])
+    return {epoch: losses[which] for epoch, losses in seen.items()}
 
 
 def test_mlflow_holds_one_run_with_every_epoch_once(killed_then_resumed: Path) -> None:
@@ -160,14 +148,13 @@ def _wandb_records(path: Path) -> list[bytes]:
     return out
 
 
-def test_wandb_holds_one_run_with_every_epoch_once(killed_then_resumed: Path) -> None:
+def _wandb_synced(root: Path) -> list[tuple[int, float]]:
+    """(epoch, train_loss) of the run's history as W&B's server keeps it after ``wandb sync``
+    of the offline runs in the order they ran: a row whose step is below the run's is dropped."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    root = killed_then_resumed
-    files = sorted((root / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(files) == 2  # the killed job's and the resumed job's, of one run
-    ids, epochs = set(), []
-    for file in files:
+    ids, rows, last = set(), [], -1
+    for file in sorted((root / "logs" / "wandb").glob("offline-run-*/run-*.wandb")):
         for data in _wandb_records(file):
             record = pb.Record()
             record.ParseFromString(data)
@@ -179,12 +166,21 @@ def test_wandb_holds_one_run_with_every_epoch_once(killed_then_resumed: Path) ->
                     i.key or "/".join(i.nested_key): json.loads(i.value_json)
                     for i in record.history.item
                 }
-                if "epoch" in row:  # W&B's own rows (_runtime ...) aside
-                    epochs.append((row["epoch"], row["train_loss"]))
+                if "epoch" in row and row["_step"] > last:  # W&B's own rows aside
+                    rows.append((row["epoch"], row["train_loss"]))
+                    last = row["_step"]
     assert len(ids) == 1
-    # Epochs 1-2, lost with the killed process, are sent again from the ledger: once.
-    assert [e for e, _ in epochs] == [1, 2, 3]
-    assert dict(epochs) == pytest.approx(_jsonl(root))
+    return rows
+
+
+def test_wandb_holds_one_run_with_every_epoch_once(killed_then_resumed: Path) -> None:
+    root = killed_then_resumed
+    assert len(list((root / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))) == 2
+    synced = _wandb_synced(root)
+    assert [epoch for epoch, _ in synced] == [1, 2, 3]
+    first, last = _jsonl(root), _jsonl(root, -1)
+    for epoch, loss in synced:  # the killed job's epoch 2 if it was written, else the resumed's
+        assert loss in (pytest.approx(first[epoch]), pytest.approx(last[epoch]))
 
 
 def test_tensorboard_holds_every_epoch_once(killed_then_resumed: Path) -> None:
@@ -195,29 +191,37 @@ def test_tensorboard_holds_every_epoch_once(killed_then_resumed: Path) -> None:
     epochs = [(e.step, e.value) for e in events.Scalars("epoch")]
     assert epochs == [(2, 1), (4, 2), (6, 3)]
     losses = {int(v): events.Scalars("train_loss")[i].value for i, (_, v) in enumerate(epochs)}
-    assert losses == pytest.approx(_jsonl(killed_then_resumed))
+    assert losses == pytest.approx(_jsonl(killed_then_resumed, -1))  # epoch 2 sent again
 
 
-def test_every_checkpoint_records_the_tracker_runs(killed_then_resumed: Path) -> None:
+def test_every_checkpoint_records_the_tracker_runs_and_epochs(killed_then_resumed: Path) -> None:
     import ddpkit
 
-    ledger = json.loads((killed_then_resumed / "logs" / LEDGER).read_text())
     extra = ddpkit.load_checkpoint(killed_then_resumed / "ckpt" / "latest.pth")["extra"]
-    assert extra["trackers"] == {name: entry["id"] for name, entry in ledger.items()}
+    assert sorted(extra["trackers"]) == ["mlflow", "tensorboard", "wandb"]
+    assert [(e, step) for e, step, _ in extra["tracker_records"]] == [(1, 2), (2, 4), (3, 6)]
     assert extra["config"] == {"lr": {"value": 0.05, "source": "default"}}
 
 
-def test_ledger_skips_epochs_a_run_already_holds(tmp_path: Path) -> None:
+def test_a_continued_tensorboard_run_takes_each_epoch_once(tmp_path: Path) -> None:
     trackers = Trackers(("tensorboard",), tmp_path, "p")
     runs = trackers.start(None, {"a": 1})
     trackers.epoch({"epoch": 1, "train_loss": 1.0}, 5)
+    records = trackers.records()  # the epoch-1 checkpoint's
+    trackers.epoch({"epoch": 2, "train_loss": 0.5}, 10)  # logged, then the job was killed
     trackers.close(False)
     again = Trackers(("tensorboard",), tmp_path, "p")
-    assert again.start(runs, None) == runs
-    again.epoch({"epoch": 1, "train_loss": 9.0}, 5)  # retrained after a resume: not logged
-    again.epoch({"epoch": 2, "train_loss": 0.5}, 10)
+    assert again.start(runs, None, records) == runs
+    again.epoch({"epoch": 2, "train_loss": 0.4}, 10)  # retrained after the resume
     again.close(True)
-    assert json.loads((tmp_path / LEDGER).read_text())["tensorboard"]["epoch"] == 2
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train_loss")] == [
+        (5, 1.0),
+        (10, pytest.approx(0.4)),
+    ]
 
 
 def test_unknown_or_missing_trackers_are_refused() -> None:
@@ -228,19 +232,3 @@ def test_unknown_or_missing_trackers_are_refused() -> None:
     for bad in (0, -1, float("nan"), "60", True):
         with pytest.raises(ValueError, match="tracker_timeout must be a positive number"):
             ReportConfig(tracker_timeout=bad)  # type: ignore[arg-type]
-
-
-def test_a_torn_wandb_run_file_confirms_only_the_epochs_it_holds(killed_then_resumed: Path) -> None:
-    from ddpkit.training.trackers import _wandb_epochs
-
-    files = sorted((killed_then_resumed / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))
-    whole = max(files, key=lambda f: f.stat().st_size)
-    assert _wandb_epochs(whole) == {1, 2, 3}
-    data, torn = whole.read_bytes(), killed_then_resumed / "torn.wandb"
-    seen = []
-    for cut in range(7, len(data), max(1, len(data) // 40)):  # as a kill mid-write leaves it
-        torn.write_bytes(data[:cut])
-        seen.append(_wandb_epochs(torn))
-    assert all(s <= {1, 2, 3} for s in seen)
-    assert seen[0] == set()
-    assert set() < seen[-1]
