@@ -27,7 +27,7 @@ from _photos import OUT, folder2lmdb, photo_tree, remove_db
 
 from ddpkit import LazyLMDBDataset, build_lmdb
 from ddpkit.data import read_index
-from ddpkit.data.lmdb_format import INDEX_KEY, encode_index
+from ddpkit.data.lmdb_index import INDEX_KEY, encode_index
 
 
 def _timed(fn: Callable[[], Any]) -> float:

@@ -38,7 +38,7 @@ import lmdb
 import numpy as np
 from _photos import OUT
 
-from ddpkit.data.lmdb_format import INDEX_KEY, encode_index, sample_key
+from ddpkit.data.lmdb_index import INDEX_KEY, encode_index, sample_key
 
 WORK = OUT / "scale"
 CLASSES = 10

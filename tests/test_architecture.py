@@ -341,3 +341,40 @@ def test_no_module_imports_private_names_of_another() -> None:
                     if a.name.startswith("_") and a.name not in private_modules | {"__version__"}
                 ]
     assert private == []
+
+
+def _defined(tree: ast.Module) -> tuple[set[str], list[str]]:
+    """The names a module's top level defines, and its ``__all__``."""
+    defined: set[str] = set()
+    listed: list[str] = []
+
+    def add(target: ast.expr) -> None:
+        if isinstance(target, ast.Name):
+            defined.add(target.id)
+        elif isinstance(target, ast.Tuple | ast.List):
+            for element in target.elts:
+                add(element)
+
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.AnnAssign):
+            add(node.target)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                add(target)
+                if isinstance(target, ast.Name) and target.id == "__all__":
+                    listed = list(ast.literal_eval(node.value))
+    return defined, listed
+
+
+def test_each_modules_all_names_only_what_it_defines() -> None:
+    # A package's face lists its parts' names (ddpkit._lazy); a module lists its own, so each
+    # public name has one home and one import path.
+    foreign = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        defined, listed = _defined(ast.parse(path.read_text(encoding="utf-8")))
+        foreign += [f"{path.relative_to(ROOT)}: {name}" for name in listed if name not in defined]
+    assert foreign == []

@@ -19,7 +19,8 @@ from PIL import Image
 from warm import warm_popen, warm_run  # type: ignore[import-not-found]
 
 from ddpkit.cli import build_parser, main
-from ddpkit.data.lmdb_format import read_index, sample_key
+from ddpkit.data.lmdb_format import read_index
+from ddpkit.data.lmdb_index import sample_key
 
 
 @pytest.fixture

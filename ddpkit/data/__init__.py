@@ -37,8 +37,8 @@ if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
     from ddpkit.data.lmdb_build import ImageError as ImageError
     from ddpkit.data.lmdb_build import build_lmdb as build_lmdb
     from ddpkit.data.lmdb_dataset import LazyLMDBDataset as LazyLMDBDataset
-    from ddpkit.data.lmdb_format import LMDBFormatError as LMDBFormatError
     from ddpkit.data.lmdb_format import read_index as read_index
+    from ddpkit.data.lmdb_index import LMDBFormatError as LMDBFormatError
     from ddpkit.data.lmdb_inspect import VerifyReport as VerifyReport
     from ddpkit.data.lmdb_inspect import describe_lmdb as describe_lmdb
     from ddpkit.data.lmdb_inspect import verify_lmdb as verify_lmdb

@@ -35,7 +35,6 @@ __all__ = [
     "ImageTooLargeError",
     "check_image",
     "check_jpeg_data",
-    "check_png",
     "decode_pil",
     "decode_tensor",
     "decode_tensor_known",

@@ -25,16 +25,14 @@ from torch.utils.data import Dataset
 from ddpkit.data import gpu_decode
 from ddpkit.data.images import decode_pil, decode_tensor_known, pixel_limit
 from ddpkit.data.lmdb_format import (
-    LEGACY_KEYS,
     EnvHandle,
     Identity,
-    LMDBFormatError,
     data_file,
     identity,
     read_index,
-    sample_key,
     shared_handle,
 )
+from ddpkit.data.lmdb_index import LEGACY_KEYS, LMDBFormatError, sample_key
 
 __all__ = ["Decode", "LazyLMDBDataset"]
 

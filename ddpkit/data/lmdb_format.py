@@ -3,7 +3,7 @@
 Every open checks the data file against its own header first, so a truncated
 copy is an error naming the file instead of a SIGBUS; each process keeps one
 read-only environment per database file, reopened after ``fork`` or when the
-file was replaced. The format's names are re-exported here.
+file was replaced.
 """
 
 from __future__ import annotations
@@ -21,36 +21,23 @@ import lmdb
 
 from ddpkit import _graveyard
 from ddpkit.data.lmdb_index import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     INDEX_KEY,
     LEGACY_KEYS,
     LMDBFormatError,
     LMDBIndex,
     decode_index,
-    encode_index,
-    sample_key,
 )
 
 __all__ = [
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "INDEX_KEY",
-    "LEGACY_KEYS",
     "EnvHandle",
     "Identity",
-    "LMDBFormatError",
-    "LMDBIndex",
     "check_data_file",
     "data_file",
-    "decode_index",
-    "encode_index",
     "env_for_reading",
     "identity",
     "is_lmdb",
     "open_env",
     "read_index",
-    "sample_key",
     "shared_env",
     "shared_handle",
 ]

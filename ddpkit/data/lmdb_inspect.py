@@ -18,13 +18,8 @@ import lmdb
 import numpy as np
 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
-from ddpkit.data.lmdb_format import (
-    FORMAT_NAME,
-    LMDBFormatError,
-    env_for_reading,
-    read_index,
-    sample_key,
-)
+from ddpkit.data.lmdb_format import env_for_reading, read_index
+from ddpkit.data.lmdb_index import FORMAT_NAME, LMDBFormatError, sample_key
 from ddpkit.data.threads import check_workers, ordered_map
 
 __all__ = ["BadSample", "VerifyReport", "describe_lmdb", "verify_lmdb", "verify_report"]

@@ -38,9 +38,9 @@ if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
     from ddpkit.distributed.comm import get_world_size as get_world_size
     from ddpkit.distributed.comm import is_main_process as is_main_process
     from ddpkit.distributed.exits import expected_errors as expected_errors
+    from ddpkit.distributed.interfaces import NetworkConfigError as NetworkConfigError
     from ddpkit.distributed.job import DistInfo as DistInfo
     from ddpkit.distributed.launchers import launched_by as launched_by
-    from ddpkit.distributed.network import NetworkConfigError as NetworkConfigError
     from ddpkit.distributed.network import NetworkPlan as NetworkPlan
     from ddpkit.distributed.network import configure_network as configure_network
     from ddpkit.distributed.network import plan_network as plan_network

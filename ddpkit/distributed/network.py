@@ -24,7 +24,6 @@ from ddpkit.distributed.interfaces import (
     IB_SYSFS,
     NetworkConfigError,
     check_socket_ifname,
-    ifname_selects,
     infiniband_devices,
     list_interfaces,
     parse_ifname,
@@ -32,20 +31,12 @@ from ddpkit.distributed.interfaces import (
 )
 from ddpkit.distributed.launchers import master_endpoint
 
-# Re-exported: the interface facts a plan is made of, under the module users know.
 __all__ = [
-    "IB_SYSFS",
     "NCCL_DEBUG_LEVELS",
-    "NetworkConfigError",
     "NetworkPlan",
     "Setting",
-    "check_socket_ifname",
     "configure_network",
-    "ifname_selects",
-    "infiniband_devices",
-    "list_interfaces",
     "plan_network",
-    "route_interface",
     "shown",
 ]
 

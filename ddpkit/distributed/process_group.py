@@ -28,7 +28,7 @@ from ddpkit.distributed.network import plan_network
 from ddpkit.distributed.recorder import enable_recorder
 from ddpkit.distributed.rendezvous import RendezvousError, join, open_store
 
-__all__ = ["DistInfo", "RendezvousError", "init_distributed", "join_job", "shutdown"]
+__all__ = ["init_distributed", "join_job", "shutdown"]
 
 logger = logging.getLogger("ddpkit")
 

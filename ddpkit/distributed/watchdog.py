@@ -41,12 +41,12 @@ from ddpkit.distributed.child import note_exit
 from ddpkit.distributed.comm import get_rank, get_world_size, is_dist_initialized
 from ddpkit.distributed.deadline import BoundedCalls, DeadlinePassed
 from ddpkit.distributed.hang_report import answer, render, write_report
-from ddpkit.distributed.heartbeat import UNTIMED_PHASES, Heartbeat, Judge, where
+from ddpkit.distributed.heartbeat import Heartbeat, Judge, where
 from ddpkit.distributed.job import restore_environ
 from ddpkit.distributed.recorder import point_dumps
 from ddpkit.distributed.stops import HANG_EXIT_CODE
 
-__all__ = ["UNTIMED_PHASES", "HangWatchdog", "format_stacks"]
+__all__ = ["HangWatchdog", "format_stacks"]
 
 logger = logging.getLogger("ddpkit")
 _monotonic = time.monotonic

@@ -41,7 +41,6 @@ from ddpkit.data.shapes import make_shapes_dataset
 from ddpkit.distributed.devices import cpu_share
 from ddpkit.examples import seresnext_flags
 from ddpkit.examples.seresnext_config import resolved
-from ddpkit.examples.seresnext_flags import build_parser
 from ddpkit.examples.seresnext_setup import (
     BALANCE_POWERS,
     batch_error,
@@ -56,7 +55,6 @@ from ddpkit.examples.seresnext_setup import (
 
 __all__ = [
     "build_model",
-    "build_parser",
     "demo",
     "evaluate_only",
     "init_arguments",

@@ -22,12 +22,11 @@ from typing import Any
 import torch
 
 from ddpkit._numbers import positive_seconds
-from ddpkit.checkpoint.cadence import SaveCadence
 from ddpkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ddpkit.distributed.stops import StepControl
 from ddpkit.training.evaluation import AMP_DTYPES, Amp, Normalize
 
-__all__ = ["FaultConfig", "ReportConfig", "SaveCadence", "TrainConfig", "parse_trackers"]
+__all__ = ["FaultConfig", "ReportConfig", "TrainConfig", "parse_trackers"]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -33,7 +33,7 @@ from ddpkit.training.profiling import peak_memory_mb
 from ddpkit.training.reporting import Reporter
 from ddpkit.training.stragglers import find_straggler, gather_timings
 
-__all__ = ["Run", "TrainConfig", "TrainingError", "train_epoch"]
+__all__ = ["Run", "TrainingError", "train_epoch"]
 
 logger = logging.getLogger("ddpkit")
 

@@ -40,29 +40,16 @@ from ddpkit.distributed.devices import module_device
 from ddpkit.distributed.hang_report import is_collective_failure, report_collective_failure
 from ddpkit.distributed.parallel import sync_buffers
 from ddpkit.position import Position
-from ddpkit.training.config import FaultConfig, ReportConfig
+from ddpkit.training.config import FaultConfig, ReportConfig, TrainConfig
 from ddpkit.training.ema import sync_ema_buffers
-from ddpkit.training.epoch import (
-    Run,
-    TrainConfig,
-    TrainingError,
-    train_epoch,
-)
+from ddpkit.training.epoch import Run, train_epoch
 from ddpkit.training.evaluation import Criterion, evaluate
 from ddpkit.training.guard import StepGuard
 from ddpkit.training.profiling import StepProfiler
 from ddpkit.training.reporting import Reporter
 from ddpkit.training.trackers import TrackerError
 
-__all__ = [
-    "FaultConfig",
-    "History",
-    "ReportConfig",
-    "TrainConfig",
-    "TrainingError",
-    "evaluate",
-    "fit",
-]
+__all__ = ["History", "fit"]
 
 logger = logging.getLogger("ddpkit")
 

@@ -23,7 +23,7 @@ from ddpkit.training.config import ReportConfig
 from ddpkit.training.stragglers import straggler_text
 from ddpkit.training.trackers import Trackers, missing_extra
 
-__all__ = ["DATA_WAIT_WARNING", "ReportConfig", "Reporter", "epoch_line", "tracker_names"]
+__all__ = ["DATA_WAIT_WARNING", "Reporter", "epoch_line", "tracker_names"]
 
 logger = logging.getLogger("ddpkit")
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from ddpkit.cli import main
 from ddpkit.data import LazyLMDBDataset, LMDBFormatError, build_lmdb, describe_lmdb, verify_report
 from ddpkit.data.images import decode_tensor
-from ddpkit.data.lmdb_format import FORMAT_NAME, INDEX_KEY, decode_index, encode_index
+from ddpkit.data.lmdb_index import FORMAT_NAME, INDEX_KEY, decode_index, encode_index
 from ddpkit.testing import DistributedTestError, run_distributed
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from ddpkit.checkpoint import CheckpointManager
 from ddpkit.checkpoint.cadence import SaveCadence
-from ddpkit.training.config import SaveCadence as FromConfig
+from ddpkit.checkpoint.cadence import SaveCadence as FromConfig
 
 
 def test_steps_are_counted_over_the_run() -> None:

@@ -26,12 +26,8 @@ from ddpkit.data import (
     LazyLMDBDataset,
     build_lmdb,
 )
-from ddpkit.data.lmdb_format import (
-    LMDBFormatError,
-    open_env,
-    read_index,
-    sample_key,
-)
+from ddpkit.data.lmdb_format import open_env, read_index
+from ddpkit.data.lmdb_index import LMDBFormatError, sample_key
 from ddpkit.data.lmdb_sources import list_source
 
 

@@ -17,15 +17,8 @@ from torch.utils.data import DataLoader
 
 from ddpkit.data.images import decode_tensor
 from ddpkit.data.lmdb_dataset import LazyLMDBDataset
-from ddpkit.data.lmdb_format import (
-    INDEX_KEY,
-    EnvHandle,
-    LMDBFormatError,
-    encode_index,
-    open_env,
-    read_index,
-    sample_key,
-)
+from ddpkit.data.lmdb_format import EnvHandle, open_env, read_index
+from ddpkit.data.lmdb_index import INDEX_KEY, LMDBFormatError, encode_index, sample_key
 from ddpkit.testing import run_distributed
 
 CLASSES = ["cat", "dog", "eel"]

@@ -14,21 +14,18 @@ from lmdb_fixtures import write_db
 
 from ddpkit._graveyard import DdpkitDeprecationWarning
 from ddpkit.data.lmdb_format import (
-    INDEX_KEY,
     EnvHandle,
-    LMDBFormatError,
     check_data_file,
     data_file,
-    encode_index,
     env_for_reading,
     identity,
     is_lmdb,
     open_env,
     read_index,
-    sample_key,
     shared_env,
     shared_handle,
 )
+from ddpkit.data.lmdb_index import INDEX_KEY, LMDBFormatError, encode_index, sample_key
 
 
 def _db(path: Path, n: int = 3) -> Path:

@@ -15,7 +15,8 @@ from ddpkit.data import (
     verify_lmdb,
     verify_report,
 )
-from ddpkit.data.lmdb_format import FORMAT_VERSION, read_index, sample_key
+from ddpkit.data.lmdb_format import read_index
+from ddpkit.data.lmdb_index import FORMAT_VERSION, sample_key
 from ddpkit.testing import run_distributed
 
 

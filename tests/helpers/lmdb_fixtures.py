@@ -11,7 +11,7 @@ import lmdb
 import numpy as np
 from PIL import Image
 
-from ddpkit.data.lmdb_format import INDEX_KEY, encode_index, sample_key
+from ddpkit.data.lmdb_index import INDEX_KEY, encode_index, sample_key
 
 
 def photo(seed: int, size: tuple[int, int] = (96, 72)) -> Image.Image:

@@ -14,7 +14,8 @@ from ddpkit import FaultConfig, Position, ReportConfig
 from ddpkit.checkpoint import TrainingState
 from ddpkit.checkpoint.serialization import CheckpointError
 from ddpkit.distributed.stops import Preempted, Stop
-from ddpkit.training.epoch import Run, TrainConfig, TrainingError, train_epoch
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.epoch import Run, TrainingError, train_epoch
 from ddpkit.training.guard import StepGuard
 from ddpkit.training.reporting import Reporter
 

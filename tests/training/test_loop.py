@@ -25,7 +25,7 @@ from ddpkit import (
     wrap_ddp,
 )
 from ddpkit.testing import run_distributed
-from ddpkit.training.loop import TrainingError
+from ddpkit.training.epoch import TrainingError
 from ddpkit.training.metrics import topk_correct
 
 QUIET = ReportConfig(progress=False)
