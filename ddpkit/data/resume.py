@@ -41,6 +41,7 @@ from ddpkit.data.streams import (
 )
 from ddpkit.distributed import comm
 from ddpkit.position import Position
+from ddpkit.rng import capture_rng_state, restore_rng_state
 
 __all__ = [
     "EpochBatches",
@@ -147,6 +148,8 @@ class EpochBatches:
         self.dropped = max(self._own - self.done, 0) if sized else sum(dropped)
         if sized and not self.dropped:
             next(items, None)
+        elif sized and callable(getattr(items, "close", None)):
+            items.close()  # type: ignore[attr-defined]  # its workers stop now, not at collection
 
     def position(self, step: int) -> Position:
         """Where training stands after optimizer step ``step`` (counted over the run), here."""
@@ -264,10 +267,7 @@ def epoch_batches(
     else:
         part = _rest(loader, epoch, start, world, me, seeds if holder is None else None)
     if holder is None and part.batches is loader and _plain(loader):
-        # A plain DataLoader's iterator draws its workers' seed (and a RandomSampler its
-        # order) from these: kept, so that a resume mid-epoch can draw the same again.
-        part.seeds = _seeds(loader)
-        part.batches = iter(loader)
+        part.batches = _seeded(part, loader)
     part.epoch, part.world_size, part.data, part.holder = epoch, world, identity, holder
     if not exact_length(loader):
         part.exact = False
@@ -288,13 +288,33 @@ def epoch_batches(
     return part
 
 
+def _seeded(part: EpochBatches, loader: DataLoader[Any]) -> Iterator[Any]:
+    """``loader``'s batches, ``part.seeds`` taken just before its iterator starts.
+
+    A plain ``DataLoader``'s iterator draws its workers' seed (and a sampler
+    its order) from them: kept, so that a resume mid-epoch can draw the same again.
+    """
+    part.seeds = _seeds(loader)
+    yield from loader
+
+
 def _seeds(loader: DataLoader[Any]) -> dict[str, Any]:
-    """The random state a ``DataLoader``'s iterator draws its seeds from, as it is now."""
-    generator = loader.generator
-    return {
-        "torch": torch.random.get_rng_state(),
-        "generator": None if generator is None else generator.get_state(),
-    }
+    """The random state a ``DataLoader``'s iterator draws its seeds and order from, as it is now.
+
+    The global generators' (torch's: the workers' seed, a ``RandomSampler``'s
+    order; Python's and NumPy's: a sampler of one's own), and each
+    ``torch.Generator`` the loader, its sampler or batch sampler holds.
+    """
+    return {"rng": capture_rng_state(), "generators": [g.get_state() for g in _generators(loader)]}
+
+
+def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects of the loader, its sampler and batch sampler, once each."""
+    batch_sampler = loader.batch_sampler
+    holders = (loader, loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None))
+    found = [getattr(h, "generator", None) for h in holders]
+    unique = {id(g): g for g in found if isinstance(g, torch.Generator)}
+    return list(unique.values())
 
 
 def _skipped(
@@ -302,18 +322,19 @@ def _skipped(
 ) -> Iterator[Any]:
     """An iterator of ``loader`` with its first ``done`` batches read and dropped, now.
 
-    Neither the iterator's start nor the batches read draw from torch's CPU
-    generator: in the run that took the checkpoint, those draws (a
-    ``DataLoader``'s worker seed, a ``RandomSampler``'s seed) came before it;
+    Neither the iterator's start nor the batches read draw from the global
+    generators (torch's, Python's, NumPy's): in the run that took the
+    checkpoint, those draws (a ``DataLoader``'s worker seed, a
+    ``RandomSampler``'s seed, the done batches' augmentation) came before it;
     a loader that restores its place brings back those seeds from its state,
     and a plain ``DataLoader`` from ``seeds`` (:attr:`EpochBatches.seeds` of the
-    epoch): its workers then draw, batch for batch, what they drew before.
+    epoch): its order and its workers then draw, batch for batch, what they drew before.
     """
     with _kept_rng():
         if seeds is not None and isinstance(loader, DataLoader):
-            torch.random.set_rng_state(seeds["torch"])
-            if seeds.get("generator") is not None and loader.generator is not None:
-                loader.generator.set_state(seeds["generator"])
+            restore_rng_state(seeds["rng"])
+            for generator, state in zip(_generators(loader), seeds["generators"], strict=False):
+                generator.set_state(state)
         batches = iter(loader)
         for _ in itertools.islice(batches, done):
             pass
@@ -492,6 +513,14 @@ def inexact_resume(loader: Iterable[Any], start: Position, loader_state: Any) ->
             "by an older ddpkit, or on another number of ranks), from which its workers' "
             "augmentation (or a RandomSampler's order) is drawn"
         )
+    elif not start.mid_epoch and any(
+        g is not loader.generator or loader.num_workers for g in _generators(loader)
+    ):
+        why = (
+            "the epoch's order or its workers' seeds come from a torch.Generator of the "
+            "loader or its sampler (generator=), whose state an epoch's checkpoint does not "
+            "hold: the script's fresh generator draws them"
+        )
     else:
         return None
     return (
@@ -524,17 +553,18 @@ def _replayed(loader: Iterable[Any]) -> bool:
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return True
     known = isinstance(loader.sampler, DistributedSampler | SequentialSampler)
-    return loader.num_workers > 0 or not known
+    return loader.num_workers > 0 or not known or not _plain_batches(loader)
 
 
 @contextlib.contextmanager
 def _kept_rng() -> Iterator[None]:
-    """Torch's CPU generator as it was on entry, whatever the block draws."""
-    before = torch.random.get_rng_state()
+    """The global generators (torch's, Python's, NumPy's) as they were on entry, whatever the
+    block draws."""
+    before = capture_rng_state()
     try:
         yield
     finally:
-        torch.random.set_rng_state(before)
+        restore_rng_state(before)
 
 
 def _plain_batches(loader: DataLoader[Any]) -> bool:

@@ -175,9 +175,117 @@ def test_a_plain_loader_resumed_without_its_epochs_seeds_is_said_inexact() -> No
     assert "holds no seeds" in said
     assert "build_loader" in said
     part = epoch_batches(DataLoader(data, batch_size=4, sampler=order), 0, world_size=1, rank=0)
+    list(part)
     assert part.loader_state() is not None
     assert inexact_resume(workers, mid, part.loader_state()) is None
     assert EPOCH_SEEDS in part.loader_state()
     in_rank = DataLoader(data, batch_size=4, sampler=order)  # cut from its known order
     assert inexact_resume(in_rank, mid, None) is None
     assert inexact_resume(_loader(16, 1, 0, 4), mid, None) is None  # build_loader's
+
+
+class _Drawn(Dataset[tuple[torch.Tensor, int]]):
+    """Each sample its index plus noise drawn from torch's, NumPy's or Python's global RNG."""
+
+    def __init__(self, how: str, n: int = 24) -> None:
+        self.how, self.n = how, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        import random
+
+        import numpy as np
+
+        noise = {
+            "torch": lambda: float(torch.rand(())),
+            "numpy": lambda: float(np.random.rand()),
+            "python": random.random,
+        }[self.how]()
+        return torch.tensor([index + noise]), index
+
+
+class _ShuffledBatches:
+    """A batch sampler of one's own: its order from torch's global generator."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(24).tolist()
+        return (order[i : i + 4] for i in range(0, 24, 4))
+
+
+def _plain_loader(kind: str, how: str, workers: int) -> DataLoader[Any]:
+    data, options = _Drawn(how), {"num_workers": workers}
+    if kind == "shuffle":
+        return DataLoader(data, batch_size=4, shuffle=True, **options)
+    if kind == "shuffle+generator":
+        generator = torch.Generator().manual_seed(7)  # as the script makes it, every run
+        return DataLoader(data, batch_size=4, shuffle=True, generator=generator, **options)
+    if kind == "sampler's generator":
+        order = torch.utils.data.RandomSampler(data, generator=torch.Generator().manual_seed(5))
+        return DataLoader(data, batch_size=4, sampler=order, **options)
+    return DataLoader(data, batch_sampler=_ShuffledBatches(), **options)
+
+
+@pytest.mark.parametrize(
+    ("kind", "how", "workers"),
+    [
+        ("shuffle", "numpy", 0),
+        ("shuffle", "python", 0),
+        ("shuffle+generator", "torch", 0),
+        ("sampler's generator", "torch", 0),
+        ("batch_sampler", "torch", 0),
+        ("shuffle", "numpy", 2),
+    ],
+)
+def test_a_plain_loader_resumed_from_its_seeds_draws_what_it_drew(
+    kind: str, how: str, workers: int
+) -> None:
+    # The second epoch, cut after 2 of its 6 batches as a kill would, then resumed by a fresh
+    # loader (a new process) from the checkpoint's RNG states and the epoch's seeds.
+    from ddpkit.rng import capture_rng_state, restore_rng_state
+
+    torch.manual_seed(0)
+    loader = _plain_loader(kind, how, workers)
+    list(epoch_batches(loader, 0, world_size=1, rank=0))  # the generators move on an epoch
+    part = epoch_batches(loader, 1, world_size=1, rank=0)
+    batches = iter(part)
+    for _ in range(2):
+        next(batches)
+    saved, rng = part.loader_state(), capture_rng_state()
+    rest = [x for x, _ in batches]
+    after = capture_rng_state()
+    restore_rng_state(rng)
+    start = Position(1, 2, 8, 8, 1)
+    fresh = _plain_loader(kind, how, workers)
+    resumed = [
+        x for x, _ in epoch_batches(fresh, 1, start, world_size=1, rank=0, loader_state=saved)
+    ]
+    assert [x.tolist() for x in resumed] == [x.tolist() for x in rest]
+    now = capture_rng_state()
+    assert torch.equal(now["torch"], after["torch"])
+    assert now["python"] == after["python"]
+    assert torch.equal(now["numpy"][1], after["numpy"][1])
+
+
+def test_epoch_batches_starts_no_worker_and_draws_nothing_until_it_is_read() -> None:
+    loader = DataLoader(_Drawn("torch"), batch_size=4, shuffle=True, num_workers=2)
+    before = torch.random.get_rng_state()
+    part = epoch_batches(loader, 0, world_size=1, rank=0)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert part.seeds is None  # taken as the iterator starts
+    assert len(list(part)) == 6
+    assert part.seeds is not None
+
+
+def test_an_epoch_start_resume_with_a_generator_of_its_own_is_said_inexact() -> None:
+    from ddpkit.data.resume import inexact_resume
+
+    epoch_start = Position(1, 0, 0, 6, 1)
+    said = inexact_resume(_plain_loader("sampler's generator", "torch", 0), epoch_start, None)
+    assert said is not None
+    assert "torch.Generator" in said
+    assert inexact_resume(_plain_loader("shuffle", "torch", 0), epoch_start, None) is None
