@@ -15,7 +15,6 @@ builder and ``verify`` (``--max-pixels``) sets another.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import io
 import numbers
@@ -150,39 +149,13 @@ def _load_decoders(library: str) -> dict[str, Decoder] | None:
         # Its arguments as the decoder keeps them (an enum, a device): named by strings,
         # their parsing costs about 0.5 % of a photo's decode. One source in, one image out.
         jpeg = functools.partial(decode_jpeg, mode=Mode.RGB, device=torch.device("cpu"))
-        return {
-            "jpeg": _jpeg_op(cast(Decoder, jpeg), Mode.RGB.value),
-            "webp": functools.partial(decode_webp, mode=Mode.RGB),
-        }
+        return {"jpeg": cast(Decoder, jpeg), "webp": functools.partial(decode_webp, mode=Mode.RGB)}
     try:
         from torchvision.io import ImageReadMode, decode_image
     except ImportError:  # a torchvision without its image codecs
         return None
     rgb = functools.partial(decode_image, mode=ImageReadMode.RGB)
     return {"jpeg": rgb, "webp": rgb}
-
-
-def _jpeg_op(public: Decoder, rgb: int) -> Decoder:
-    """TorchCodec's JPEG operator itself where it gives what ``public`` gives; else ``public``.
-
-    ``decode_jpeg`` is a Python wrapper around the operator (batches, devices,
-    modes and dtypes normalised, a list built and unpacked); for one CPU
-    source decoded to RGB it changes nothing, yet costs 2-3 % of a photo's
-    decode. The operator is used only once it gave the same tensor, with the
-    same strides, as ``public`` on a photo made here (once per process); any
-    difference, or a TorchCodec without it, leaves the wrapper.
-    """
-    try:
-        op = torch.ops.torchcodec_ns.decode_jpeg.default
-        rng = np.random.default_rng(0)
-        probe = io.BytesIO()  # 4:2:0, rows and columns not a multiple of the blocks
-        Image.fromarray(rng.integers(0, 256, (19, 37, 3), dtype=np.uint8)).save(probe, "JPEG")
-        data = torch.frombuffer(bytearray(probe.getvalue()), dtype=torch.uint8)
-        ours, theirs = op(data, mode=rgb), public(data)
-        same = ours.stride() == theirs.stride() and torch.equal(ours, theirs)
-    except Exception:  # the operator renamed, moved or changed: the public function
-        return public
-    return cast(Decoder, functools.partial(op, mode=rgb)) if same else public
 
 
 @functools.cache
@@ -389,7 +362,7 @@ def _jpeg(
         if known:  # not what was found before (never, for the same bytes): the whole way
             return decode_tensor_known(raw, 0, max_pixels=max_pixels)
         return _pillow_tensor(raw, max_pixels), 0  # Pillow says what is wrong
-    if not known and _flat_corner(image, height, width):
+    if not known and _uniform_corner(image.numpy()):  # a NumPy view, no copy
         check_jpeg_data(raw, decoded=image.numpy().transpose(1, 2, 0))
     return image, (width << 16 | height) if usual else 0
 
@@ -397,9 +370,8 @@ def _jpeg(
 def _fast_decoded(decode: Decoder, data: Buffer, width: int, height: int) -> torch.Tensor | None:
     """``data`` decoded by a fast decoder if it gives the header's size; else None.
 
-    Every call into torch here and in :func:`_flat_corner` is one that
-    dispatches nothing (``ndim``, ``shape``, ``stride()``, ``data_ptr()``):
-    right after a decode, each one that does costs about 1 % of the decode.
+    Every call into torch here is one that dispatches nothing (``ndim``,
+    ``shape``): right after a decode, each one that does costs about 1 % of the decode.
     """
     if not isinstance(data, bytearray):
         data = bytearray(data)  # frombuffer needs a writable buffer
@@ -410,28 +382,6 @@ def _fast_decoded(decode: Decoder, data: Buffer, width: int, height: int) -> tor
     if image.ndim == 4:  # an animated image: its first frame
         image = image[0]
     return image if image.shape == (3, height, width) else None
-
-
-def _flat_corner(image: torch.Tensor, height: int, width: int) -> bool:
-    """:func:`_uniform_corner` of a decoded ``3 x height x width`` tensor."""
-    if width >= 4 and image.stride() == (1, 3 * width, 3) and image.dtype == torch.uint8:
-        # Packed RGB rows, as libjpeg writes them (TorchCodec's layout): the last row's
-        # last 4 pixels are the image's last 12 bytes, read at once.
-        end = image.data_ptr() + 3 * width * height
-        last = ctypes.string_at(end - 12, 12)
-        if last != last[:3] * 4:
-            return False
-    elif width >= 4 and image.dtype == torch.uint8:
-        # The last row's last 4 pixels first (they differ in 24 photos of 25), read
-        # through ctypes where the tensor's own strides put them: right after a decode
-        # a NumPy view of the tensor costs 3 % of the decode, this a tenth of that.
-        channel, row, step = image.stride()
-        first = image.data_ptr() + (height - 1) * row + (width - 4) * step
-        for c in range(3):
-            values = ctypes.string_at(first + c * channel, 3 * step + 1)[::step]
-            if values.count(values[0]) != 4:
-                return False
-    return _uniform_corner(image.numpy())
 
 
 def jpeg_for_decoder(

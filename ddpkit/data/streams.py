@@ -188,7 +188,7 @@ def _cpu_group() -> Any:
 
     if dist.get_backend() == "gloo":
         return None
-    key = id(dist.distributed_c10d._get_default_group())
+    key = id(dist.group.WORLD)
     if key not in _CPU_GROUPS:
         _CPU_GROUPS[key] = dist.new_group(backend="gloo")
     return _CPU_GROUPS[key]

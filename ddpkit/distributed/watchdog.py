@@ -488,9 +488,7 @@ def _collective_count() -> Callable[[], int | None]:
     The backend's own count (Gloo's and NCCL's: the flight recorder's ``#n`` in the hang
     report), read by the watchdog's thread; a backend that keeps none gives 0 or None.
     """
-    read = getattr(
-        dist.distributed_c10d._get_default_group(), "_get_sequence_number_for_group", None
-    )
+    read = getattr(dist.group.WORLD, "_get_sequence_number_for_group", None)
 
     def count() -> int | None:
         try:

@@ -516,9 +516,9 @@ class StepGuard:
 
 def _scale_gradients(model: nn.Module, factor: float) -> None:
     """Multiply every gradient by ``factor`` (after the all-reduce: the same on every rank)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, factor)
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            parameter.grad.mul_(factor)
 
 
 def _totals(loop: Totals) -> Any:

@@ -182,29 +182,6 @@ def test_unusual_jpeg_headers_are_read_by_pillow() -> None:
         assert checked == decoded
 
 
-@pytest.mark.parametrize("layout", ["hwc", "chw"])
-@pytest.mark.parametrize("size", [(1, 1), (3, 2), (4, 4), (9, 7)])
-def test_the_corner_test_reads_any_layout_as_numpy_does(layout: str, size: tuple[int, int]) -> None:
-    # The decoded tensor's last pixels are read through its strides (no NumPy view):
-    # the verdict must be NumPy's for planar and interleaved tensors, flat or not.
-    from ddpkit.data import images
-
-    width, height = size
-    rng = np.random.default_rng(width * 10 + height)
-    for flat_corner, flat_row in [(True, True), (False, True), (False, False)]:
-        pixels = rng.integers(0, 256, (3, height, width), dtype=np.uint8)
-        if flat_row:
-            pixels[:, -1, -4:] = pixels[:, -1, -1:]  # the last row's last pixels alike
-        if flat_corner:
-            pixels[:, -4:, -4:] = np.array([7, 100, 250], dtype=np.uint8)[:, None, None]
-        image = torch.from_numpy(pixels)
-        if layout == "hwc":  # as TorchCodec gives it: channels last in memory
-            image = torch.from_numpy(pixels.transpose(1, 2, 0).copy()).permute(2, 0, 1)
-        assert images._flat_corner(image, height, width) == images._uniform_corner(pixels)
-        wide = image.to(torch.int16)  # not uint8: read through NumPy, the same verdict
-        assert images._flat_corner(wide, height, width) == images._uniform_corner(pixels)
-
-
 def _cut_short(rank: int, world_size: int) -> dict[str, object]:
     """Verdicts on JPEGs cut a few bytes short, an end marker kept (in a child: damaged data)."""
     from ddpkit.data.images import check_image
@@ -311,7 +288,7 @@ def test_what_a_first_decode_found_is_not_looked_for_again(
 
     monkeypatch.setattr(images, "_jpeg_header", looked)
     monkeypatch.setattr(images, "check_jpeg_data", looked)
-    monkeypatch.setattr(images, "_flat_corner", looked)
+    monkeypatch.setattr(images, "_uniform_corner", looked)
     again, known_again = decode_tensor_known(jpeg, known)
     assert torch.equal(again, expected)
     assert known_again == known
@@ -349,28 +326,21 @@ def test_a_remembered_size_still_meets_the_pixel_limit_and_the_decoder() -> None
     assert torch.equal(image, decode_tensor(varied_images()[3]))
 
 
-def test_torchcodecs_operator_is_used_only_where_it_agrees_with_decode_jpeg() -> None:
-    # decode_jpeg's Python wrapper costs 2-3 % of a photo for one CPU source; its
-    # operator is called directly once it gave the same tensor, else the wrapper stays.
+def test_images_decode_through_torchcodecs_public_functions_only() -> None:
+    # No private operator and no reads of tensor memory at computed addresses: the decoders
+    # are TorchCodec's own functions, and the corner check reads a NumPy view.
     pytest.importorskip("torchcodec")
+    import inspect
+
     from torchcodec.decoders import decode_jpeg
 
     from ddpkit.data import images
 
-    def public(data: torch.Tensor) -> torch.Tensor:
-        return decode_jpeg(data, mode="RGB")
-
-    chosen = images._jpeg_op(public, 3)
-    assert chosen is not public
+    source = inspect.getsource(images)
+    assert "torch.ops" not in source
+    assert "ctypes" not in source
+    library, decoders = images.tensor_decoders()
+    assert library == "torchcodec"
+    assert decoders["jpeg"].func is decode_jpeg  # type: ignore[attr-defined]
     jpeg = bytearray(encode(photo(3), quality=90))
-    assert torch.equal(chosen(torch.frombuffer(jpeg, dtype=torch.uint8)), decode_tensor(jpeg))
-
-    def flipped(data: torch.Tensor) -> torch.Tensor:  # a wrapper that does something more
-        return public(data).flip(-1)
-
-    def broken(data: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("no such operator")
-
-    assert images._jpeg_op(flipped, 3) is flipped
-    assert images._jpeg_op(broken, 3) is broken
-    assert images._jpeg_op(public, 1) is public  # gray from the operator: not the same
+    assert torch.equal(decode_tensor(jpeg), decode_jpeg(torch.frombuffer(jpeg, dtype=torch.uint8)))
