@@ -30,7 +30,7 @@ from ddpkit.checkpoint.outcomes import describe_error, raise_earlier_failure, sh
 from ddpkit.checkpoint.restore import Restored, restore_state
 from ddpkit.checkpoint.serialization import MapLocation, check_saveable
 from ddpkit.checkpoint.state import TrainingState
-from ddpkit.checkpoint.sync import claim_directory, load_newest, next_generation
+from ddpkit.checkpoint.sync import claim_directory, load_newest, newest_extra, next_generation
 from ddpkit.distributed.comm import all_gather_object, get_local_rank, get_rank, get_world_size
 from ddpkit.position import Position
 from ddpkit.rng import capture_rng_state
@@ -431,6 +431,14 @@ class CheckpointManager:
         )
         if state["kind"] == "epoch":
             self._latest_damaged = False
+
+    def newest_extra(self) -> tuple[str, dict[str, Any]] | None:
+        """The file name and ``extra`` of the checkpoint :meth:`resume` would take, or None.
+
+        Read before the resume, without loading its tensors (to compare a run's
+        settings with the one it continues). A collective: all ranks call it.
+        """
+        return newest_extra(self.directory)
 
     def resume(
         self,

@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
     from ddpkit.data.samplers import set_epoch as set_epoch
     from ddpkit.data.shapes import SHAPE_CLASSES as SHAPE_CLASSES
     from ddpkit.data.shapes import make_shapes_dataset as make_shapes_dataset
+    from ddpkit.data.transforms import AUTO_AUGMENTS as AUTO_AUGMENTS
     from ddpkit.data.transforms import IMAGENET_MEAN as IMAGENET_MEAN
     from ddpkit.data.transforms import IMAGENET_STD as IMAGENET_STD
     from ddpkit.data.transforms import normalize_batch as normalize_batch

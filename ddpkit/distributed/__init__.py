@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
     from ddpkit.distributed.comm import get_rank as get_rank
     from ddpkit.distributed.comm import get_world_size as get_world_size
     from ddpkit.distributed.comm import is_main_process as is_main_process
+    from ddpkit.distributed.devices import cpu_share as cpu_share
     from ddpkit.distributed.exits import expected_errors as expected_errors
     from ddpkit.distributed.interfaces import NetworkConfigError as NetworkConfigError
     from ddpkit.distributed.job import DistInfo as DistInfo

@@ -20,11 +20,8 @@ from typing import Any, NoReturn
 import torch
 
 import ddpkit
-from ddpkit.data.transforms import AUTO_AUGMENTS
 from ddpkit.examples.seresnext_config import Flags, parse_with_config
 from ddpkit.examples.seresnext_setup import BALANCE_POWERS, batch_error, processes_from_flags
-from ddpkit.training.config import parse_trackers
-from ddpkit.training.trackers import missing_extra
 
 __all__ = ["build_parser", "define", "parse_args"]
 
@@ -107,7 +104,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
     if args.network is not None and (not args.network or "/" in args.network):
         p.error(f"--network is the start of a file name, without '/': got {args.network!r}")
-    missing = [m for m in map(missing_extra, args.log_with or ()) if m is not None]
+    missing = [m for m in map(ddpkit.missing_extra, args.log_with or ()) if m is not None]
     if missing:
         p.error(f"argument --log-with: {'; '.join(missing)}")
     if args.evaluate and args.demo:
@@ -223,7 +220,7 @@ def _add_flags(flag: _Adder) -> None:
     )
     flag(
         "--auto-augment",
-        choices=AUTO_AUGMENTS,
+        choices=ddpkit.AUTO_AUGMENTS,
         help="RandAugment (rand), TrivialAugmentWide (trivial) or AugMix\n(augmix) after the crop",
     )
     flag(
@@ -557,7 +554,7 @@ def _steps(text: str) -> tuple[int, int]:
 def _tracker_names(text: str) -> tuple[str, ...]:
     """An argparse type: ``mlflow,wandb`` or ``"mlflow, wandb"``, names of ``TRACKERS``."""
     try:
-        return parse_trackers(text)
+        return ddpkit.parse_trackers(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

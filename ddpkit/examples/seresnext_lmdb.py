@@ -36,9 +36,6 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit.checkpoint import TrainingState
-from ddpkit.data.shapes import make_shapes_dataset
-from ddpkit.distributed.devices import cpu_share
 from ddpkit.examples import seresnext_flags
 from ddpkit.examples.seresnext_config import resolved
 from ddpkit.examples.seresnext_setup import (
@@ -55,6 +52,7 @@ from ddpkit.examples.seresnext_setup import (
 
 __all__ = [
     "build_model",
+    "build_parser",
     "demo",
     "evaluate_only",
     "init_arguments",
@@ -66,9 +64,13 @@ __all__ = [
 ]
 
 
-def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
+def train(
+    info: ddpkit.DistInfo, args: argparse.Namespace, schedule_epochs: int | None = None
+) -> dict[str, Any]:
     """One process's whole run, the recipe's ``main_worker``; every rank calls it.
 
+    ``schedule_epochs``: the epochs the learning-rate schedule spans (default
+    ``--epochs``; more stops the run before its end, as the demo's first job).
     Returns the last epoch's record, or with ``--evaluate`` the metrics.
     """
     _start_process(info, args.batch_size)
@@ -137,7 +139,7 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     )
     scheduler = ddpkit.warmup_schedule(
         optimizer,
-        epochs=getattr(args, "schedule_epochs", None) or args.epochs,
+        epochs=schedule_epochs or args.epochs,
         steps_per_epoch=-(-len(train_loader) // args.grad_accum_steps),  # optimizer steps
         warmup_epochs=args.warmup_epochs,
         decay=args.sched,
@@ -163,7 +165,7 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     # A restarted process (torchrun --max-restarts, --max-restarts) continues the run.
     resume = args.resume or info.restart_count > 0
     if resume is True:  # a named file may be of another run: its own flags are not compared
-        check_resume_config(args.checkpoints, run_config)
+        check_resume_config(checkpoints, run_config)
     history = ddpkit.fit(
         model,
         train_loader,
@@ -215,7 +217,7 @@ def _start_process(info: ddpkit.DistInfo, global_batch: int) -> None:
             print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2)
     if info.device.type == "cpu":  # share the cores instead of oversubscribing them
-        torch.set_num_threads(cpu_share(info.local_world_size))
+        torch.set_num_threads(ddpkit.cpu_share(info.local_world_size))
 
 
 def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
@@ -276,7 +278,10 @@ def load_for_evaluation(
         load_weights(model, args.resume, "--resume", record)
         return args.resume
     checkpoints = ddpkit.CheckpointManager(
-        args.checkpoints, prefix=weights_prefix(args), extra=record, state=TrainingState(model)
+        args.checkpoints,
+        prefix=weights_prefix(args),
+        extra=record,
+        state=ddpkit.TrainingState(model),
     )
     with warnings.catch_warnings():
         # Evaluation draws no random numbers: RNG states saved by another
@@ -294,13 +299,13 @@ def load_for_evaluation(
     )
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, schedule_epochs: int | None = None) -> dict[str, Any]:
     """Train with ``spawn`` (-m-d) or ``init_distributed``; returns this node's first record."""
     if args.multiprocessing_distributed:
         records: list[dict[str, Any]] = ddpkit.spawn(
             train,
             args.nprocs,
-            args=(args,),
+            args=(args, schedule_epochs),
             nnodes=args.world_size,
             node_rank=args.rank,
             init_method=args.dist_url,
@@ -309,7 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         return records[0]
     with ddpkit.init_distributed(**init_arguments(args)) as info:
-        return train(info, args)
+        return train(info, args, schedule_epochs)
 
 
 def init_arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -343,7 +348,7 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     start, out = time.perf_counter(), Path(args.out)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a fresh run, then its resume
     sizes = {"train_per_class": args.demo_per_class, "val_per_class": 50, "size": 32}
-    dirs = make_shapes_dataset(out / "shapes", classes=args.demo_classes, **sizes)
+    dirs = ddpkit.make_shapes_dataset(out / "shapes", classes=args.demo_classes, **sizes)
     for split, source in zip(("train", "val"), dirs, strict=True):
         ddpkit.build_lmdb(source, out / f"{split}.lmdb", overwrite=True, progress=False)
     gpus = torch.cuda.device_count()
@@ -360,8 +365,6 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         "milestones": [args.demo_epochs - 1],
         "workers": 0,
         "network": "demo",
-        # The schedule spans both jobs: the first stops after 7 of its 8 epochs.
-        "schedule_epochs": args.demo_epochs + 1,
         **_DEMO_RECIPES[args.demo_recipe],
         "checkpoints": str(out / "checkpoints"),
         "multiprocessing_distributed": True,
@@ -372,7 +375,7 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     }
     sources = {**args.sources, **dict.fromkeys(settings, "demo")}
     first = argparse.Namespace(**{**vars(args), **settings, "sources": sources})
-    run(first)
+    run(first, schedule_epochs=first.epochs + 1)  # the schedule spans both jobs: 7 of its 8
     # A second job continues from latest.pth for one more epoch: resume works.
     record = run(argparse.Namespace(**{**vars(first), "epochs": first.epochs + 1, "resume": True}))
     seconds, where = time.perf_counter() - start, f"{gpus} GPU" if gpus else "2 CPU"
@@ -382,6 +385,11 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         f"total wall time {seconds:.1f} s ({where} processes)"
     )
     return record
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The example's parser, without ``--config`` files or the checks between flags."""
+    return seresnext_flags.build_parser(description=__doc__)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -19,10 +19,6 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit._docs import see
-from ddpkit.checkpoint.files import LATEST
-from ddpkit.checkpoint.restore import check_extra
-from ddpkit.checkpoint.sync import newest_extra
 
 __all__ = [
     "batch_error",
@@ -115,10 +111,16 @@ def check_weights_file(path: str, record: dict[str, Any]) -> None:
     """
     file = Path(path)
     saved = _extra(file)
-    if saved is None and file.name != LATEST:
-        saved = _extra(file.parent / LATEST)
-    if saved is not None:
-        check_extra(str(file), saved, record)
+    if saved is None and file.name != "latest.pth":
+        saved = _extra(file.parent / "latest.pth")
+    differ = [k for k in record if saved is not None and k in saved and saved[k] != record[k]]
+    if saved is not None and differ:
+        was = ", ".join(f"{k} {saved[k]}" for k in differ)
+        now = ", ".join(f"{k} {record[k]}" for k in differ)
+        raise ddpkit.CheckpointError(
+            f"{file} was trained with {was}; this run has {now}. Pass {was} to resume or "
+            "evaluate it, or start a new run in another directory"
+        )
 
 
 def load_weights(
@@ -147,7 +149,9 @@ def load_weights(
         raise ddpkit.CheckpointError(f"--evaluate {flag} {path} (rank {rank}): {first}")
 
 
-def check_resume_config(directory: str, config: dict[str, Any]) -> None:
+def check_resume_config(
+    checkpoints: ddpkit.CheckpointManager | str, config: dict[str, Any]
+) -> None:
     """Compare this run's resolved flags with those of ``directory``'s newest checkpoint.
 
     A changed ``-b``, ``--seed`` or ``--data`` would read other samples, or in
@@ -163,8 +167,11 @@ def check_resume_config(directory: str, config: dict[str, Any]) -> None:
     from ddpkit.examples.seresnext_config import resume_changes
 
     # The checkpoint the resume takes (a step or interrupted file may be newer than latest.pth).
-    newest = newest_extra(Path(directory))
-    name, saved = newest if newest is not None else (LATEST, None)
+    if not isinstance(checkpoints, ddpkit.CheckpointManager):  # its directory
+        checkpoints = ddpkit.CheckpointManager(checkpoints)
+    directory = checkpoints.directory
+    newest = checkpoints.newest_extra()
+    name, saved = newest if newest is not None else ("latest.pth", None)
     record = saved.get("config") if saved is not None else None
     breaking, changing = resume_changes(record, config) if isinstance(record, dict) else ([], [])
     errors = [e for e in ddpkit.all_gather_object(breaking) if e]
@@ -172,8 +179,8 @@ def check_resume_config(directory: str, config: dict[str, Any]) -> None:
         raise ddpkit.CheckpointError(
             f"--resume: {Path(directory) / name} was trained with other settings that decide "
             f"which samples come next ({', '.join(errors[0])}); set them back to resume, or "
-            "start a new run in another --checkpoints. "
-            + see("config-files-and-changed-settings-on-resume")
+            "start a new run in another --checkpoints (docs/troubleshooting.md: config files "
+            "and changed settings on resume)"
         )
     if changing and ddpkit.get_rank() == 0:
         warnings.warn(

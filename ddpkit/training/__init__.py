@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
     from ddpkit.training.config import FaultConfig as FaultConfig
     from ddpkit.training.config import ReportConfig as ReportConfig
     from ddpkit.training.config import TrainConfig as TrainConfig
+    from ddpkit.training.config import parse_trackers as parse_trackers
     from ddpkit.training.ema import model_ema as model_ema
     from ddpkit.training.epoch import TrainingError as TrainingError
     from ddpkit.training.evaluation import evaluate as evaluate
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
     from ddpkit.training.schedules import linear_scaled_lr as linear_scaled_lr
     from ddpkit.training.schedules import warmup_schedule as warmup_schedule
     from ddpkit.training.trackers import TrackerError as TrackerError
+    from ddpkit.training.trackers import missing_extra as missing_extra
 
 if not TYPE_CHECKING:  # see ddpkit._lazy: mypy must not see an __all__ it cannot read
     __getattr__, __dir__, __all__ = lazy_names(__name__, __file__)

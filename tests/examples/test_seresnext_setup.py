@@ -253,3 +253,46 @@ def test_the_resume_check_reads_a_checkpoint_only_another_node_holds(tmp_path: P
         _check_on_own_disk, 2, args=(str(tmp_path), _config(tmp_path, "--seed", "7")), timeout=60
     )
     assert all("--seed 0 -> 7" in s for s in said), said
+
+
+def test_the_examples_use_public_ddpkit_names_only() -> None:
+    # A recipe a user copies imports what ddpkit documents: the package and its names.
+    import ast
+
+    import ddpkit.examples
+
+    public = set(ddpkit.__all__)
+    for path in sorted(Path(ddpkit.examples.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddpkit"):
+                assert node.module == "ddpkit" or node.module.startswith("ddpkit.examples"), (
+                    f"{path.name}: from {node.module} import ..."
+                )
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "ddpkit"
+            ):
+                assert node.attr in public, f"{path.name}: ddpkit.{node.attr} is not public"
+
+
+def test_the_demo_runs_with_the_example_s_own_flags_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing hidden in the namespace: every setting the demo passes on is a flag.
+    flags = set(vars(example.parse_args(["--data", str(tmp_path)])))
+    seen: list[set[str]] = []
+
+    def run(args: object, schedule_epochs: int | None = None) -> dict[str, float]:
+        seen.append(set(vars(args)))
+        return {"val_acc1": 0.0}
+
+    monkeypatch.setattr(example, "run", run)
+    # The data the demo would build first: not what this test is about.
+    monkeypatch.setattr(ddpkit, "make_shapes_dataset", lambda out, **_: (out / "t", out / "v"))
+    monkeypatch.setattr(ddpkit, "build_lmdb", lambda *_, **__: None)
+    args = example.parse_args(["--demo", "--out", str(tmp_path), "--demo-per-class", "2"])
+    example.demo(args)
+    assert len(seen) == 2
+    assert all(keys <= flags for keys in seen), [sorted(keys - flags) for keys in seen]
