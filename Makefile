@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml ddpkit/_version.py | cks
 PYTEST_ARGS ?=
 WORKERS ?= 3
 
-.PHONY: demo test test-all check gpu-check lint bench venv clean
+.PHONY: demo test test-all check gpu-check lint bench docs venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,12 @@ $(STAMP): pyproject.toml ddpkit/_version.py
 		|| { echo "installation into $(VENV) failed; see the pip output above" >&2; exit 1; }
 	@rm -f $(VENV)/.installed-*
 	@touch $@
+
+# The site: the docs' pages and the reference generated from the docstrings (mkdocs.yml), into
+# site/. --strict: a broken link, anchor or reference is an error (tests/docs/test_site.py too).
+docs: $(STAMP)
+	$(BIN)/python docs/_build/reference.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Everything the demo writes stays under demo-out/ (its learning curves too): a checkout stays
 # clean. docs/demo-curves.png, the picture docs/quickstart.md shows, is a copy of one run's.
@@ -76,4 +82,4 @@ bench: $(STAMP)
 	done
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) build dist site *.egg-info .mypy_cache .ruff_cache .pytest_cache

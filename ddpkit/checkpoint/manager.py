@@ -464,8 +464,9 @@ class CheckpointManager:
         this, or it deadlocks.
 
         Args:
-            model, optimizer, scheduler, scaler, ema: deprecated, as in :meth:`save`;
-                an object of the bound state that is None is not restored.
+            model: deprecated, as in :meth:`save` (and ``optimizer``, ``scheduler``,
+                ``scaler``, ``ema``); an object of the bound state that is None is
+                not restored.
             path: resume from this file (on any rank's file system) instead
                 of the newest; later saves start a new generation.
             map_location: where loaded tensors go first.

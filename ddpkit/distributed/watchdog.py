@@ -98,7 +98,9 @@ class HangWatchdog:
         interval: seconds between heartbeats; default ``min(timeout / 4, 5)``,
             at most ``timeout / 2`` and 5.
         prefix: the watchdog's keys in the store.
-        store, rank, world_size: default those of the default process group.
+        store: the store the ranks share; default the default process group's.
+        rank: this rank; default the default process group's.
+        world_size: the ranks; default the default process group's.
         report_dir: where rank 0 writes ``hang-report.txt`` (and each rank its
             flight-recorder dump) on a hang or a report signal; None: the
             report is logged only.
