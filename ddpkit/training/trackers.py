@@ -45,8 +45,6 @@ _START_FIXES = {
         'run here and `wandb sync` it later, or leave "wandb" out of trackers'
     ),
 }
-# An epoch's record as trackers receive it and checkpoints carry it: [epoch, step, values].
-Record = list[Any]
 
 
 class TrackerError(RuntimeError):
@@ -81,7 +79,7 @@ class _TensorBoard:
             for path in earlier:
                 os.replace(path, aside / path.name)
         # Resumed: what the killed job wrote from the first record on is hidden, and sent again.
-        purge = min((r[1] for r in records), default=1) if run is not None else None
+        purge = min((r[1] for r in records), default=None)
         self.writer = SummaryWriter(os.fspath(log_dir), purge_step=purge)
         if run is None and config is not None:
             self.writer.add_text("config", "    " + json.dumps(dict(config), indent=1), 0)
@@ -120,13 +118,13 @@ class _Mlflow:
             client.get_run(run)  # raises when the store does not hold it
             client.update_run(run, status="RUNNING")
             self.run_id, self.held = run, {m.step for m in client.get_metric_history(run, "epoch")}
-            for _, step, values in records:
-                self.log(values, step)
-            return
-        found = client.get_experiment_by_name(project)
-        experiment = found.experiment_id if found else client.create_experiment(project)
-        self.run_id = client.create_run(experiment).info.run_id
-        if config is not None:
+        else:
+            found = client.get_experiment_by_name(project)
+            experiment = found.experiment_id if found else client.create_experiment(project)
+            self.run_id = client.create_run(experiment).info.run_id
+        for _, step, values in records:
+            self.log(values, step)
+        if run is None and config is not None:
             from mlflow.entities import Param
 
             params = [Param(k, json.dumps(v)[:6000]) for k, v in sorted(config.items())]
@@ -232,7 +230,7 @@ class Trackers:
         self._names = [n for n in names if n != "tensorboard" or self.log_dir is not None]
         self._open: dict[str, Any] = {}  # the trackers running, and each run's id:
         self._runs: dict[str, str] = {}  # kept for the checkpoints after a tracker fails
-        self._records: list[Record] = []  # every epoch of the run, resumed ones included
+        self._records: list[list[Any]] = []  # [epoch, step, values] of each epoch of the run
         self._submit: Callable[[Callable[[], Any] | None], Future[Any]] | None = None
         self._starting = ""
 
@@ -261,8 +259,10 @@ class Trackers:
             self._submit = None  # the runs opened were closed: nothing is left to wait for
             submit(None)
             raise
-        except FutureTimeout:
-            self._submit = None  # its thread is stuck in the tracker: never waited for again
+        except FutureTimeout:  # its thread, stuck in a tracker, opens no more and closes all
+            self._submit = None
+            self._names.clear()
+            submit(None)
             raise TrackerError(
                 f"tracker {self._starting} did not start its run in {self.timeout:g} s (its "
                 f"server does not answer?): {_START_FIXES[self._starting]}"
@@ -273,10 +273,9 @@ class Trackers:
         for name in self._names:
             self._starting = name
             run_id = runs.get(name) if isinstance(runs.get(name), str) else None
-            records = self._records if run_id is not None else []
-            try:
-                kind = _KINDS[name]
-                tracker = kind(self.log_dir or Path.cwd(), self.project, run_id, config, records)
+            try:  # a run continued, or new in a resumed job, is sent the records it lacks
+                kind, where = _KINDS[name], self.log_dir or Path.cwd()
+                tracker = kind(where, self.project, run_id, config, self._records)
             except Exception as exc:
                 for opened in self._open.values():  # as a stopped job leaves them
                     with contextlib.suppress(Exception):  # already failing: the error says why
@@ -287,22 +286,23 @@ class Trackers:
                     f"{_START_FIXES[name]}"
                 ) from exc
             self._open[name], self._runs[name] = tracker, tracker.run_id
+        if self._submit is None:  # start() gave up waiting: nothing it opened stays open
+            self._each("could not close its run", "close", False)
 
     def runs(self) -> dict[str, str]:
         """``{tracker: run id}`` of the runs opened (what checkpoints record)."""
         return dict(self._runs)
 
-    def records(self) -> list[Record]:
+    def records(self) -> list[list[Any]]:
         """The run's epoch records, ``[epoch, step, values]`` (what checkpoints carry)."""
         return [list(r) for r in self._records]
 
     def epoch(self, record: Mapping[str, Any], step: int) -> None:
         """Log one epoch's record at ``step`` (the optimizer steps so far); returns at once."""
-        if self._submit is None or not self._open:
-            return
         item = [int(record["epoch"]), step, _numbers(record)]
-        self._records = [r for r in self._records if r[0] < item[0]] + [item]
-        self._submit(lambda: self._each(f"could not log epoch {item[0]}", "log", item[2], step))
+        self._records = [r for r in self._records if r[0] < item[0]] + [item]  # sent or not
+        if self._submit is not None and self._open:
+            self._submit(lambda: self._each(f"could not log epoch {item[0]}", "log", item[2], step))
 
     def finish(self, best: str | None, picture: Path | None) -> None:
         """The best checkpoint's path and the curves picture at the end (again by a resumed
@@ -330,7 +330,6 @@ class Trackers:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self._open.clear()
 
     def _each(self, what: str, method: str, *args: Any) -> None:
         """``method(*args)`` on each open tracker; one that fails is dropped with a warning."""

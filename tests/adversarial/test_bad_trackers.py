@@ -306,3 +306,91 @@ def test_fit_waits_for_a_silent_server_at_most_tracker_timeout(
         )
     assert time.monotonic() - began < 8
     answer.set()
+
+
+def test_epochs_after_the_only_tracker_failed_still_travel_in_the_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original, calls, failed = trackers_module._TensorBoard.log, [0], threading.Event()
+
+    def fails_once(self: object, values: dict[str, float], step: int) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            failed.set()
+            raise OSError("No space left on device")
+        original(self, values, step)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(trackers_module._TensorBoard, "log", fails_once)
+    trackers = Trackers(("tensorboard",), tmp_path, "p")
+    runs = trackers.start(None, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for epoch in (1, 2, 3, 4):
+            trackers.epoch({"epoch": epoch, "train_loss": 1.0 / epoch}, 2 * epoch)
+            if epoch == 2:  # the only tracker is dropped before epoch 3 ends
+                assert failed.wait(30)
+                time.sleep(0.2)
+        trackers.close(False)
+    assert ["could not log epoch 2" in str(w.message) for w in caught] == [True]
+    records = trackers.records()
+    assert [(e, step) for e, step, _ in records] == [(1, 2), (2, 4), (3, 6), (4, 8)]
+    monkeypatch.setattr(trackers_module._TensorBoard, "log", original)
+    again = Trackers(("tensorboard",), tmp_path, "p")  # the resumed job: the run is whole
+    again.start(runs, None, records)
+    again.close(True)
+    assert [e for _, e in _tb_epochs(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_a_continued_run_without_records_keeps_its_history(tmp_path: Path) -> None:
+    # A checkpoint of an earlier release carries run ids but no records: nothing is purged.
+    trackers = Trackers(("tensorboard",), tmp_path, "p")
+    runs = trackers.start(None, None)
+    for epoch in (1, 2, 3):
+        trackers.epoch({"epoch": epoch}, 2 * epoch)
+    trackers.close(False)
+    again = Trackers(("tensorboard",), tmp_path, "p")
+    again.start(runs, None)
+    again.epoch({"epoch": 4}, 8)
+    again.close(True)
+    assert _tb_epochs(tmp_path) == [(2, 1), (4, 2), (6, 3), (8, 4)]
+
+
+def test_a_tracker_added_on_resume_gets_every_epoch_of_the_run(
+    tmp_path: Path, mlflow_store: Path
+) -> None:
+    trackers = Trackers(("tensorboard",), tmp_path, "added")
+    runs = trackers.start(None, None)
+    for epoch in (1, 2):
+        trackers.epoch({"epoch": epoch}, 2 * epoch)
+    records = trackers.records()
+    trackers.close(False)
+    again = Trackers(("tensorboard", "mlflow"), tmp_path, "added")
+    again.start(runs, None, records)
+    again.epoch({"epoch": 3}, 6)
+    again.close(True)
+    assert _mlflow_epochs(mlflow_store, "added") == [[1, 2, 3]]
+
+
+def test_a_start_that_timed_out_opens_no_more_runs_and_closes_what_it_opened(
+    tmp_path: Path, mlflow_store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original, closed = trackers_module._TensorBoard.__init__, threading.Event()
+
+    def slow(self: object, *args: object) -> None:
+        time.sleep(2)  # a log directory on a stalled network file system
+        original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(trackers_module._TensorBoard, "__init__", slow)
+    close = trackers_module._TensorBoard.close
+    monkeypatch.setattr(
+        trackers_module._TensorBoard,
+        "close",
+        lambda self, finished: (close(self, finished), closed.set())[0],
+    )
+    trackers = Trackers(("tensorboard", "mlflow"), tmp_path, "timed-out", timeout=1.0)
+    with pytest.raises(TrackerError, match="tracker tensorboard did not start its run in 1 s"):
+        trackers.start(None, None)
+    assert closed.wait(10)  # opened late, closed at once
+    from mlflow import MlflowClient
+
+    assert MlflowClient(mlflow_store.as_uri()).get_experiment_by_name("timed-out") is None
