@@ -116,6 +116,20 @@ MOVED_NAMES: dict[tuple[str, str], tuple[str, str]] = {
         "DistributedEvalSampler",
     ),
     ("ddpkit.data.loaders", "set_epoch"): ("ddpkit.data.samplers", "set_epoch"),
+    # Listed by the module that re-exported them until each __all__ named only its own.
+    **{
+        ("ddpkit.data.lmdb_format", name): ("ddpkit.data.lmdb_index", name)
+        for name in ("FORMAT_NAME", "FORMAT_VERSION", "encode_index", "sample_key")
+    },
+    ("ddpkit.distributed.network", "ifname_selects"): (
+        "ddpkit.distributed.interfaces",
+        "ifname_selects",
+    ),
+    ("ddpkit.distributed.watchdog", "UNTIMED_PHASES"): (
+        "ddpkit.distributed.heartbeat",
+        "UNTIMED_PHASES",
+    ),
+    ("ddpkit.training.config", "SaveCadence"): ("ddpkit.checkpoint.cadence", "SaveCadence"),
 }
 
 

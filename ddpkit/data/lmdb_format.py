@@ -341,3 +341,7 @@ def _no_index_message(path: str, txn: lmdb.Transaction) -> str:
         f"{path}: an LMDB database without a ddpkit index record ({INDEX_KEY!r}); build it "
         "with `ddpkit lmdb build SOURCE OUTPUT` (ImageFolder tree, list file or Parquet)."
     )
+
+
+def __getattr__(name: str) -> Any:
+    return _graveyard.moved_name(__name__, name)

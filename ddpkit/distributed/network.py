@@ -17,8 +17,9 @@ import logging
 import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from ddpkit import _graveyard
 from ddpkit._docs import see
 from ddpkit.distributed.interfaces import (
     IB_SYSFS,
@@ -384,3 +385,7 @@ def _master_from(env: Mapping[str, str]) -> str | None:
         return master_endpoint(env).addr
     except ValueError:  # malformed launcher variables: init_distributed reports them
         return None
+
+
+def __getattr__(name: str) -> Any:
+    return _graveyard.moved_name(__name__, name)

@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from ddpkit import _graveyard
 from ddpkit._numbers import positive_seconds
 from ddpkit.distributed.child import note_exit
 from ddpkit.distributed.comm import get_rank, get_world_size, is_dist_initialized
@@ -505,3 +506,7 @@ def _hold_exit(ending: threading.Event, limit: float, exit: Callable[[int], obje
     """At interpreter exit during a hang verdict: wait for the watchdog to end the process."""
     if not ending.wait(limit):
         exit(HANG_EXIT_CODE)
+
+
+def __getattr__(name: str) -> Any:
+    return _graveyard.moved_name(__name__, name)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ddpkit import _graveyard
 from ddpkit._numbers import positive_seconds
 from ddpkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from ddpkit.distributed.stops import StepControl
@@ -374,3 +375,7 @@ def _shown(value: object, width: int = 60) -> str:
     """``repr(value)``, cut to ``width`` characters: an error message stays one line."""
     text = repr(value)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def __getattr__(name: str) -> Any:
+    return _graveyard.moved_name(__name__, name)

@@ -476,3 +476,7 @@ def _configs(
         config = dataclasses.replace(config, **train)
         report = dataclasses.replace(report, **shown)
     return config, report
+
+
+def __getattr__(name: str) -> Any:
+    return _graveyard.moved_name(__name__, name)
