@@ -92,10 +92,10 @@ class EpochBatches:
             epoch (another rank's data ended first), known once it is read.
         holder: the object whose ``state_dict()`` is this rank's place in the
             stream (``ddpkit.data.streams.state_holder``), or None.
-        seeds: a plain ``DataLoader``'s random state when the epoch's iterator
-            was made (torch's, and the loader's generator's), from which its
-            worker seeds and a ``RandomSampler``'s order are drawn; None for
-            another loader.
+        seeds: a plain ``DataLoader``'s random state as the epoch's iterator
+            started (the global generators' and each ``torch.Generator`` of the
+            loader and its samplers), from which its workers' seeds and its
+            order are drawn; None for another loader, or before the first batch.
     """
 
     def __init__(
@@ -219,8 +219,9 @@ def epoch_batches(
     seeds from (:attr:`EpochBatches.seeds`, its ``loader_state()``); given
     back, the done batches are read again from it, so each worker draws
     what it drew (without workers, in a known order, the rest is cut from
-    the order). The loader's iterator is made at once, without drawing from
-    torch's random generator, so a resumed run draws what an unbroken one would.
+    the order). A resumed loader's iterator is made at once, and the global
+    generators are left as the checkpoint restored them, so a resumed run
+    draws what an unbroken one would; a fresh epoch's starts at its first batch.
 
     The ranks agree where the epoch ends, so that none leaves it while
     another is still in DDP's all-reduce: when every rank's loader has a

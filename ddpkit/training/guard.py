@@ -284,7 +284,8 @@ class StepGuard:
         self._handed = epoch  # a second call in the epoch is the whole epoch, not a resume
         start = at if fresh and at.epoch == epoch and at.mid_epoch else None
         place = state.loader_state if start is not None else None
-        self.progress("start_data")  # a resume may read done batches again first: not a hang
+        if start is not None:  # a resume may read the done batches again first: not a hang
+            self.progress("start_data")
         part = epoch_batches(
             loader, epoch, start, world_size=self._world, rank=self._rank, loader_state=place
         )
