@@ -20,6 +20,8 @@ _graveyard.install()  # the modules of earlier releases still import, with a war
 
 if TYPE_CHECKING:  # the public names: every face's, each listed once (ddpkit._lazy)
     from ddpkit.checkpoint import *  # noqa: F403
+    from ddpkit.command_line import CommandLine as CommandLine
+    from ddpkit.command_line import load_config as load_config
     from ddpkit.data import *  # noqa: F403
     from ddpkit.distributed import *  # noqa: F403
     from ddpkit.position import Position as Position

@@ -197,7 +197,7 @@ def run_distributed(
         rendezvous = _Rendezvous("tcp", host="127.0.0.1", port=store.port)
 
     try:
-        return run_processes(
+        outcome = run_processes(
             _child_main,
             world_size,
             (fn, world_size, tuple(args), rendezvous, timeout, dict(env or {}), dict(os.environ)),
@@ -210,3 +210,7 @@ def run_distributed(
     finally:
         del store
         shutil.rmtree(tmpdir, ignore_errors=True)
+    if outcome.failure is not None:
+        raise outcome.failure
+    assert outcome.values is not None  # without stop types, processes return or fail
+    return outcome.values

@@ -88,7 +88,6 @@ _LONGEST_FIRST = (
     "examples/test_seresnext_lmdb_faults.py",
     "training/test_fault_tolerance.py",
     "docs/quickstart.md",
-    "docs/api.md",
     "examples/test_own_loop.py",
     "distributed/test_watchdog.py",
     "adversarial/test_bad_jobs.py",

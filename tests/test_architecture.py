@@ -44,6 +44,7 @@ TOP = {
     "_numbers",
     "_version",
     "cli",
+    "command_line",
     "files",
     "position",
     "rng",

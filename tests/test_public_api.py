@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FACES = ("ddpkit", "ddpkit.data", "ddpkit.distributed", "ddpkit.checkpoint", "ddpkit.training")
 PARTS = FACES[1:]
 # The top level's own names besides the parts': bound at import, or from a shared leaf.
-TOP_ONLY = {"Position", "__version__"}
+TOP_ONLY = {"CommandLine", "Position", "__version__", "load_config"}
 
 
 def _tree(face: str) -> ast.Module:

@@ -12,9 +12,10 @@ longer than the copy itself.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -111,40 +112,35 @@ def _at(old: Any, index: int) -> Any:
 
 
 class BackgroundWriter:
-    """Run one write at a time in a daemon thread; keep its error for the caller.
+    """One write at a time, in the one thread of a ``ThreadPoolExecutor``; its error kept.
 
-    One thread serves every write of the writer's life, started with the first:
+    The thread serves every write of the writer's life, started with the first:
     a thread that ends while the training thread forks DataLoader workers can
-    leave the child stuck for ever in CPython's after-fork clean-up (3.11), and
-    a thread per write would end right as the next epoch's workers start.
-
-    Args:
-        on_error: called in the writer thread with the exception of a failed
-            write, e.g. to ask every rank to stop (``ddpkit.distributed.stops``).
+    leave the child stuck for ever in CPython's after-fork clean-up (3.11).
     """
 
-    def __init__(self, on_error: Callable[[BaseException], None] | None = None) -> None:
-        self._on_error = on_error
-        self._thread: threading.Thread | None = None
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._job: Future[Any] | None = None
         self._error: BaseException | None = None
-        self._job: Callable[[], Any] | None = None
-        self._ready = threading.Condition()
-        self._idle = threading.Event()
-        self._idle.set()
 
     @property
     def error(self) -> BaseException | None:
         """The failed write's exception, until :meth:`wait` raises it."""
+        if self._job is not None and self._job.done():
+            job, self._job = self._job, None
+            self._error = job.exception()
         return self._error
 
     def join(self) -> None:
         """Wait for the write in flight without raising its error."""
-        self._idle.wait()
+        if self._job is not None:
+            futures.wait([self._job])
 
     @property
     def busy(self) -> bool:
         """A write is in flight."""
-        return not self._idle.is_set()
+        return self._job is not None and not self._job.done()
 
     def submit(self, write: Callable[[], Any]) -> None:
         """Wait for the write in flight, then start ``write`` in the background.
@@ -154,41 +150,21 @@ class BackgroundWriter:
                 raised yet; ``write`` is then not started.
         """
         self.wait()
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._serve, name="ddpkit-checkpoint-writer", daemon=True
-            )
-            self._thread.start()
-        with self._ready:
-            self._idle.clear()
-            self._job = write
-            self._ready.notify()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ddpkit-checkpoint-writer")
+        self._job = self._pool.submit(_logged, write)
 
     def wait(self) -> None:
         """Wait for the write in flight; raise its error once if it failed."""
         self.join()
-        error, self._error = self._error, None
+        error, self._error = self.error, None
         if error is not None:
             raise error
 
-    def _serve(self) -> None:
-        while True:
-            with self._ready:
-                while self._job is None:
-                    self._ready.wait()
-                write, self._job = self._job, None
-            try:
-                self._run(write)
-            except BaseException:  # on_error failed: said, and the thread serves on
-                logger.exception("checkpoint writer: the error callback failed")
-            finally:
-                self._idle.set()
 
-    def _run(self, write: Callable[[], Any]) -> None:
-        try:
-            write()
-        except BaseException as exc:  # kept for the training thread, which raises it
-            self._error = exc
-            logger.error("checkpoint write failed: %s: %s", type(exc).__name__, exc)
-            if self._on_error is not None:
-                self._on_error(exc)
+def _logged(write: Callable[[], Any]) -> None:
+    try:
+        write()
+    except BaseException as exc:  # kept in the future for the training thread, which raises it
+        logger.error("checkpoint write failed: %s: %s", type(exc).__name__, exc)
+        raise

@@ -11,12 +11,9 @@ orders what every rank found.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
 import re
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -379,34 +376,20 @@ def prune_steps(directory: Path, keep: int, generation: int, newest_step: int) -
             remove_stale(directory / path.name[1:].split(".tmp-")[0], hidden=True)
 
 
-class _NothingToRotate(Exception):
-    pass
-
-
 def _rotate(latest: Path, snapshot: str) -> None:
-    """Make ``previous.pth`` the ``latest.pth`` about to be replaced.
+    """Make ``previous.pth`` the ``latest.pth`` about to be replaced (if there is one).
 
-    It takes a hard link (a copy where there are none), a fixed view of
-    ``latest.pth`` at this instant: a writer sharing the directory may have
-    just put this very snapshot there, which must not become the previous one.
+    A writer sharing the directory may have just put this very snapshot
+    there, which must not become the previous one.
     """
 
-    def keep(tmp: Path) -> None:
+    def older(tmp: Path) -> bool:
         try:
-            os.link(latest, tmp)
-        except FileNotFoundError:
-            raise _NothingToRotate from None
-        except OSError:  # a file system without hard links
-            try:
-                shutil.copyfile(latest, tmp)
-            except FileNotFoundError:
-                raise _NothingToRotate from None
-        with contextlib.suppress(OSError, ValueError):
-            if read_header(tmp).snapshot == snapshot:
-                raise _NothingToRotate
+            return read_header(tmp).snapshot != snapshot
+        except (OSError, ValueError):
+            return True
 
-    with contextlib.suppress(_NothingToRotate):
-        replace_atomic(latest.parent / PREVIOUS, keep)
+    link_or_copy(latest, latest.parent / PREVIOUS, older)
 
 
 def _holds(path: Path, snapshot: str) -> bool:

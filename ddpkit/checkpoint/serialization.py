@@ -305,13 +305,29 @@ def _damaged(path: object, error: BaseException) -> CheckpointError:
     )
 
 
-def link_or_copy(source: Path, target: Path) -> None:
-    """Make ``target`` the same file as ``source``: a hard link, else a copy (atomically)."""
+class _Kept(Exception):
+    pass
+
+
+def link_or_copy(source: Path, target: Path, keep: Callable[[Path], bool] | None = None) -> None:
+    """Make ``target`` the same file as ``source``: a hard link, else a copy (atomically).
+
+    With ``keep``, ``target`` is left as it is when ``source`` is gone or
+    ``keep`` refuses the new file (a fixed view of ``source`` at this instant).
+    """
 
     def link(tmp: Path) -> None:
         try:
-            os.link(source, tmp)
-        except OSError:  # a file system without hard links
-            shutil.copyfile(source, tmp)
+            try:
+                os.link(source, tmp)
+            except OSError:  # a file system without hard links (or no source: the copy says)
+                shutil.copyfile(source, tmp)
+        except FileNotFoundError:
+            if keep is None:
+                raise
+            raise _Kept from None
+        if keep is not None and not keep(tmp):
+            raise _Kept
 
-    replace_atomic(target, link)
+    with contextlib.suppress(_Kept):
+        replace_atomic(target, link)

@@ -148,14 +148,14 @@ def newest_extra(directory: Path) -> tuple[str, dict[str, Any]] | None:
     views = all_gather_object(scan(directory)[0])
     rank = get_rank()
     for header, holders in newest_first(views):
-        extra = _extra_of(directory / header.name) if rank in holders else None
+        extra = extra_of(directory / header.name) if rank in holders else None
         seen = [e for r, e in enumerate(all_gather_object(extra)) if r in holders and e is not None]
         if seen:
             return header.name, seen[0]
     return None
 
 
-def _extra_of(path: Path) -> dict[str, Any] | None:
+def extra_of(path: Path) -> dict[str, Any] | None:
     """The ``extra`` a ddpkit checkpoint at ``path`` records (its tensors left on disk)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

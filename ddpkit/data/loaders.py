@@ -54,13 +54,9 @@ def _per_process_batch(batch_size: int | None, global_batch_size: int | None, wo
             f"(over all {world} processes), got batch_size={batch_size}, "
             f"global_batch_size={global_batch_size}"
         )
-    if batch_size is not None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if batch_size is not None:  # both checked by _check_arguments: whole numbers, 1 or more
         return batch_size
     assert global_batch_size is not None
-    if global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
     per, rest = divmod(global_batch_size, world)
     if rest:
         nearest = [v for v in (per * world, (per + 1) * world) if v > 0]

@@ -399,11 +399,8 @@ def _rest(
         )
         return EpochBatches(_skipped(loader, start.batches), start.batches, _length(loader))
     sampler = loader.sampler
-    if regular and isinstance(sampler, EpochIndexSampler) and _plain_batches(loader):
-        sampler.skip_next(start.batches * batch)
-        return EpochBatches(loader, start.batches, len(loader))
     if regular:
-        # Another sampler: the rest of this rank's own share, cut as the loader would (neither
+        # The rest of this rank's own share, cut as the loader would, no sample read (neither
         # the order nor the iterator drawing from torch's generator: the checkpoint's drew).
         with _kept_rng():
             rest = list(sampler)[start.batches * batch :]

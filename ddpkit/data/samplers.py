@@ -9,7 +9,6 @@ crops an uninterrupted one would.
 
 from __future__ import annotations
 
-import itertools
 import numbers
 import operator
 from collections.abc import Iterator, Sized
@@ -155,7 +154,6 @@ class EpochIndexSampler(Sampler[tuple[int, ...]]):
         self.epoch = 0
         self._epoch_given = False
         self._started = False
-        self._skip = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -164,22 +162,13 @@ class EpochIndexSampler(Sampler[tuple[int, ...]]):
         if callable(setter):
             setter(epoch)
 
-    def skip_next(self, count: int) -> None:
-        """Start the next epoch's iteration ``count`` indices in (a resumed epoch).
-
-        Only indices are skipped: no sample is read to skip it.
-        """
-        self._skip = check_whole("count", count, 0)
-
     def __iter__(self) -> Iterator[tuple[int, ...]]:
         if self._started and not self._epoch_given:
             self.set_epoch(self.epoch + 1)
         self._started, self._epoch_given = True, False
-        epoch, skip, self._skip = self.epoch, self._skip, 0
-        draws = getattr(self.inner, "draws", None)
-        items = draws() if callable(draws) else iter(self.inner)
-        rest: Iterator[Any] = itertools.islice(items, skip, None)
-        return ((epoch, *i) if isinstance(i, tuple) else (epoch, i) for i in rest)
+        epoch, draws = self.epoch, getattr(self.inner, "draws", None)
+        items: Iterator[Any] = draws() if callable(draws) else iter(self.inner)
+        return ((epoch, *i) if isinstance(i, tuple) else (epoch, i) for i in items)
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]

@@ -15,62 +15,39 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
-
-from ddpkit.distributed.processes import RankFailedError
 
 __all__ = ["expected_errors", "is_expected"]
 
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 # What ddpkit raises on purpose from its own code, the message saying what to do.
 _ON_PURPOSE = (ValueError, TypeError, OSError, RuntimeError)
-_ON_PURPOSE_NAMES = {"ValueError", "TypeError", "OSError", "RuntimeError"}
 _MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
-_LAST_FRAME = re.compile(r'^\s*File "([^"]+)", line \d+.*\n\s*(.*)$', re.MULTILINE)
-_LAST_LINE = re.compile(r"^([\w.]+(?:Error|Exception)): (.*)$", re.MULTILINE | re.DOTALL)
 
 
 def is_expected(exc: BaseException) -> str | None:
-    """The one line to show for ``exc`` when it is a mistake ddpkit explained, else None."""
-    if isinstance(exc, RankFailedError):
-        return _remote(exc)
+    """The one line to show for ``exc`` when it is a mistake ddpkit explained, else None.
+
+    A failed rank of :func:`ddpkit.spawn` (``RankFailedError``) was judged in the rank.
+    """
+    if hasattr(exc, "expected_line"):  # RankFailedError: what its rank judged, rank named
+        line: str | None = getattr(exc, "expected_line", None)
+        return None if line is None else f"rank {getattr(exc, 'rank', '?')}: {line}"
     if isinstance(exc, _MISSING):
         return str(exc)
-    frames = traceback.extract_tb(exc.__traceback__)
+    last = traceback.extract_tb(exc.__traceback__)[-1:]
     ours = type(exc).__module__.startswith("ddpkit.")
     # A `raise` in ddpkit's code: a bug's TypeError from a bad call there keeps its traceback.
-    raised_here = bool(frames) and _raised_in_ddpkit(frames[-1].filename, frames[-1].line)
+    raised_here = any(
+        f.filename.startswith(_PACKAGE) and (f.line or "").lstrip().startswith("raise ")
+        for f in last
+    )
     if ours or (raised_here and isinstance(exc, _ON_PURPOSE)):
         return str(exc)
     return None
-
-
-def _remote(exc: RankFailedError) -> str | None:
-    """A failed rank's error, judged by its traceback's text as :func:`is_expected` judges."""
-    text = exc.remote_traceback.rstrip()
-    frames, last = _LAST_FRAME.findall(text), None
-    lines = text.splitlines()
-    start = next((i for i in range(len(lines) - 1, -1, -1) if _LAST_LINE.match(lines[i])), None)
-    if start is not None:
-        last = _LAST_LINE.match("\n".join(lines[start:]))
-    if last is None or not frames:
-        return None
-    name, message = last.group(1), last.group(2)
-    short = name.rsplit(".", 1)[-1]
-    missing = short in {t.__name__ for t in _MISSING}
-    ours = name.startswith("ddpkit.")  # a class of ddpkit's, printed with its module
-    here = _raised_in_ddpkit(*frames[-1]) and short in _ON_PURPOSE_NAMES
-    if missing or ours or here:
-        return f"rank {exc.rank}: {message}"
-    return None
-
-
-def _raised_in_ddpkit(filename: str, line: str | None) -> bool:
-    return filename.startswith(_PACKAGE) and (line or "").lstrip().startswith("raise ")
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ rank, the device or the master address back from ``os.environ``.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -22,14 +21,13 @@ import torch
 import torch.distributed as dist
 
 from ddpkit._docs import see
-from ddpkit._numbers import as_int, is_real
+from ddpkit._numbers import as_int, positive_seconds
 from ddpkit.distributed.launchers import LaunchEnv, MasterEndpoint, parse_port
 
 __all__ = [
     "DistInfo",
     "JobPlan",
     "as_timeout",
-    "check_count",
     "resolve_job",
     "restore_environ",
 ]
@@ -145,7 +143,6 @@ class JobPlan:
         file_path: the store's file (file).
         store_is_external: the launcher hosts the store; rank 0 connects to it.
         store_prefix: the key prefix of this attempt in the store.
-        given_by: the launcher variables this came from, for messages.
         restart_count: how often the launcher restarted the processes before.
     """
 
@@ -162,7 +159,6 @@ class JobPlan:
     file_path: str | None = None
     store_is_external: bool = False
     store_prefix: str = "ddpkit/rdzv"
-    given_by: str = ""
     restart_count: int = 0
 
 
@@ -172,29 +168,16 @@ def as_timeout(name: str, value: object) -> timedelta:
     Raises:
         ValueError: anything else (0, a negative, nan, a string, a bool), naming ``name``.
     """
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif is_real(value):
-        try:
-            seconds = float(value)  # type: ignore[arg-type]
-        except OverflowError:
-            raise ValueError(f"{name}={value!r} is too long a duration") from None
-    else:
-        raise ValueError(f"{name} must be a timedelta or a number of seconds, got {value!r}")
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{name} must be a positive, finite duration, got {value!r}")
-    try:
-        duration = timedelta(seconds=seconds)
+    seconds = positive_seconds(value.total_seconds() if isinstance(value, timedelta) else value)
+    try:  # a duration below timedelta's microsecond, or past its days, is none either
+        duration = timedelta(seconds=seconds) if seconds is not None else timedelta(0)
     except OverflowError:
-        raise ValueError(f"{name}={value!r} is too long a duration") from None
-    if duration <= timedelta(0):  # below timedelta's microsecond
-        raise ValueError(f"{name}={value!r} is shorter than a microsecond")
+        duration = timedelta(0)
+    if duration <= timedelta(0):
+        raise ValueError(
+            f"{name} must be a positive, finite timedelta or number of seconds, got {value!r}"
+        )
     return duration
-
-
-def check_count(name: str, value: object, low: int) -> int:
-    """``value`` as an int; refuse one that is not integral (bools included) or is below ``low``."""
-    return as_int(name, value, low)
 
 
 def resolve_job(
@@ -225,10 +208,6 @@ def resolve_job(
         ValueError: the arguments contradict the launcher, or cannot describe
             a job; the message names the values and the fix.
     """
-    if init_method is not None and not isinstance(init_method, str):
-        raise ValueError(
-            f"init_method must be a string such as 'tcp://host:port', got {init_method!r}"
-        )
     world_size, rank, local_rank = (
         None if value is None else as_int(name, value)
         for name, value in (("world_size", world_size), ("rank", rank), ("local_rank", local_rank))
@@ -286,7 +265,6 @@ def resolve_job(
         local_world_size=launch.local_world_size if launch else None,
         node_rank=launch.node_rank if launch else None,
         launcher=launch.launcher if launch else "explicit",
-        given_by=_variables(launch) if launch else "",
         restart_count=launch.restart_count if launch else 0,
     )
 

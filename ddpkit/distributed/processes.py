@@ -11,7 +11,7 @@ such an echo, with that rank's traceback.
 A process may also *stop* rather than fail (``spawn``: raise ``Preempted``
 or ``KeyboardInterrupt``, or die of a signal the parent forwarded). A stopping
 rank may be writing a checkpoint, so the others then get :data:`STOP_GRACE_S`,
-not the short failure settle; :func:`run_and_collect` leaves the verdict to the caller.
+not the short failure settle; :func:`run_processes` leaves the verdict to the caller.
 
 A process that must end at once (``os._exit``: the hang watchdog) first leaves
 the parent its reason (``child.note_exit``); the parent repeats it.
@@ -40,6 +40,7 @@ from typing import Any, Literal, Protocol
 import torch.distributed as dist
 
 from ddpkit.distributed.child import die_with_parent, read_note, write_notes_to
+from ddpkit.distributed.exits import is_expected
 
 __all__ = [
     "STOP_GRACE_S",
@@ -47,7 +48,6 @@ __all__ = [
     "RankFailedError",
     "Relay",
     "Stop",
-    "run_and_collect",
     "run_processes",
 ]
 
@@ -68,7 +68,8 @@ STOP_GRACE_S = 120.0
 _STACKS_SIGNAL = signal.SIGUSR2
 _STACKS_S = 1.0
 
-# (index, "ok" | "error" | "stop", pickled value / message / pickled exception, traceback, time)
+# (index, "ok" | "error" | "stop", pickled value / (message, expected line) / pickled exception,
+#  traceback, time)
 _Report = tuple[int, Literal["ok", "error", "stop"], Any, str, float]
 
 
@@ -82,6 +83,8 @@ class RankFailedError(RuntimeError):
             without one, for example from a signal).
         exitcode: that process's exit status when it exited without a report, else None.
         note: what that process said (``child.note_exit``) before such an exit, else "".
+        expected_line: the one line :func:`ddpkit.expected_errors` shows for that
+            process's error, judged in the process itself (``exits.is_expected``), else None.
     """
 
     def __init__(
@@ -91,11 +94,12 @@ class RankFailedError(RuntimeError):
         remote_traceback: str = "",
         exitcode: int | None = None,
         note: str = "",
+        expected_line: str | None = None,
     ) -> None:
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
-        self.exitcode, self.note = exitcode, note
+        self.exitcode, self.note, self.expected_line = exitcode, note, expected_line
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class Stop:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How one run of the processes ended; see :func:`run_and_collect`."""
+    """How one run of the processes ended; see :func:`run_processes`."""
 
     values: list[Any] | None  # what each process returned, if every one did
     failure: RankFailedError | None  # the first real failure (peers lost next to a stop are none)
@@ -126,9 +130,9 @@ class Relay(Protocol):
         """The signals forwarded so far."""
 
 
-def _failure_report(index: int, message: str) -> _Report:
+def _failure_report(index: int, message: str, expected: str | None = None) -> _Report:
     """Build a failure report; call it inside the ``except`` block it describes."""
-    return (index, "error", message, traceback.format_exc(), time.time())
+    return (index, "error", (message, expected), traceback.format_exc(), time.time())
 
 
 StartMethod = Literal["spawn", "forkserver"]
@@ -136,7 +140,7 @@ StartMethod = Literal["spawn", "forkserver"]
 # What a forkserver imports once, so that each process forked from it starts in a
 # fraction of a second instead of importing torch and torchvision (seconds) on its own:
 # torch's libraries and this module, where every process starts. The module a run's
-# function lives in (ddpkit.testing's, say) comes from above: run_and_collect adds it.
+# function lives in (ddpkit.testing's, say) comes from above: run_processes adds it.
 # This layer names no other part (tests/test_architecture.py).
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torchvision", __name__)
 
@@ -240,7 +244,7 @@ def _child_entry(
         except Exception:
             report = _failure_report(index, f"{type(exc).__name__}: {exc}")
     except BaseException as exc:
-        report = _failure_report(index, f"{type(exc).__name__}: {exc}")
+        report = _failure_report(index, f"{type(exc).__name__}: {exc}", is_expected(exc))
     else:
         try:
             # Pickle here, not in the queue's feeder thread, where an error
@@ -279,60 +283,26 @@ def run_processes(
     timeout_hint: str = "",
     first_rank: int = 0,
     world_size: int | None = None,
-    start_method: StartMethod = "spawn",
-) -> list[Any]:
-    """Run ``target(index, *args)`` in ``nprocs`` spawned processes; return the results in order.
-
-    Raises ``error`` for the failure that came first (see the module docstring)
-    after terminating the other processes, and ``TimeoutError`` naming the
-    unfinished ranks when ``timeout`` seconds pass. Messages call process
-    ``index`` rank ``first_rank + index`` of ``world_size`` (default ``nprocs``).
-    ``start_method`` ``"forkserver"`` forks each process from a server that
-    imported :data:`FORKSERVER_PRELOAD` and ``target``'s module once
-    (:func:`start_forkserver`; the first run of the process starts it).
-    """
-    outcome = run_and_collect(
-        target,
-        nprocs,
-        args,
-        timeout=timeout,
-        name=name,
-        error=error,
-        timeout_hint=timeout_hint,
-        first_rank=first_rank,
-        world_size=world_size,
-        start_method=start_method,
-    )
-    if outcome.failure is not None:
-        raise outcome.failure
-    assert outcome.values is not None  # without stop types, processes return or fail
-    return outcome.values
-
-
-def run_and_collect(
-    target: Callable[..., Any],
-    nprocs: int,
-    args: Sequence[Any] = (),
-    *,
-    timeout: float | None = None,
-    name: str = "ddpkit-rank",
-    error: type[RankFailedError] = RankFailedError,
-    timeout_hint: str = "",
-    first_rank: int = 0,
-    world_size: int | None = None,
     stop_types: tuple[type[BaseException], ...] = (),
     stop_exit_codes: frozenset[int] = frozenset(),
     relay: Relay | None = None,
     own_process_groups: bool = False,
     start_method: StartMethod = "spawn",
 ) -> Outcome:
-    """:func:`run_processes`, returning what happened instead of raising the failure.
+    """Run ``target(index, *args)`` in ``nprocs`` fresh processes; return how they ended.
 
-    A process that raises one of ``stop_types``, exits with one of
-    ``stop_exit_codes`` without a report, or dies of a signal ``relay``
-    forwarded is a :class:`Stop`. With ``own_process_groups`` each leaves the
-    parent's process group first thing: a terminal's Ctrl-C reaches only the
-    parent. Unfinished processes are killed before this returns.
+    The :class:`Outcome` holds every result in order, or the failure that came
+    first (see the module docstring; raise it), or the stops: a process that
+    raises one of ``stop_types``, exits with one of ``stop_exit_codes``
+    without a report, or dies of a signal ``relay`` forwarded. Unfinished
+    processes are killed before this returns. Raises ``TimeoutError`` naming
+    the unfinished ranks when ``timeout`` seconds pass. Messages call process
+    ``index`` rank ``first_rank + index`` of ``world_size`` (default
+    ``nprocs``). With ``own_process_groups`` each leaves the parent's process
+    group first thing: a terminal's Ctrl-C reaches only the parent.
+    ``start_method`` ``"forkserver"`` forks each process from a server that
+    imported :data:`FORKSERVER_PRELOAD` and ``target``'s module once
+    (:func:`start_forkserver`; the first run of the process starts it).
     """
     if start_method not in ("spawn", "forkserver"):
         raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
@@ -433,6 +403,7 @@ class _Failure:
     at: float  # wall-clock time of the failure, comparable across processes
     exitcode: int | None = None  # exited without a report: its status ...
     note: str = ""  # ... and what it said before (note_exit)
+    expected_line: str | None = None  # what the rank judged its error (exits.is_expected)
 
     @property
     def is_consequence(self) -> bool:
@@ -522,7 +493,7 @@ def _collect(
         if kind == "stop":
             stops[rank] = Stop(labels.first + rank, pickle.loads(payload))
         else:
-            failures[rank] = _Failure(rank, payload, remote_tb, at)
+            failures[rank] = _Failure(rank, payload[0], remote_tb, at, expected_line=payload[1])
         if first_end is None:
             first_end = time.monotonic()
     if len(values) == world_size:
@@ -557,7 +528,9 @@ def _failure_error(
         message += f"\n(then also failed: {also})"
     if cause.remote_traceback:
         message += f"\n\n--- traceback from rank {rank} ---\n{cause.remote_traceback}"
-    return error(message, rank, cause.remote_traceback, cause.exitcode, cause.note)
+    return error(
+        message, rank, cause.remote_traceback, cause.exitcode, cause.note, cause.expected_line
+    )
 
 
 def _ranks(ranks: Sequence[int]) -> str:

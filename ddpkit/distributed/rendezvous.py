@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ddpkit._docs import see
 from ddpkit.distributed.deadline import BoundedCalls, DeadlinePassed
 from ddpkit.distributed.job import JobPlan
+from ddpkit.distributed.ports import probe_tcp
 
 __all__ = ["Layout", "RendezvousError", "free_port", "join", "open_store"]
 
@@ -105,12 +106,7 @@ def _check_store_file(plan: JobPlan, path: str) -> None:
 
 def _silent_store_error(plan: JobPlan, seconds: float) -> RendezvousError:
     where = f"{plan.master_addr}:{plan.master_port}"
-    try:
-        with socket.create_connection((plan.master_addr, plan.master_port), timeout=2.0):
-            answered = True
-    except OSError:
-        answered = False
-    if answered:
+    if probe_tcp(str(plan.master_addr), int(plan.master_port or 0), 2.0)[0]:
         return RendezvousError(
             f"something at {where} accepted the connection but did not answer as a ddpkit/c10d "
             f"store within {seconds:g} s: another program holds the port, or rank 0 is stopped "

@@ -29,11 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit._numbers import as_int
 from ddpkit.distributed.devices import resolve_backend
-from ddpkit.distributed.job import DistInfo, JobPlan, as_timeout, check_count, resolve_job
+from ddpkit.distributed.job import DistInfo, JobPlan, as_timeout, resolve_job
 from ddpkit.distributed.launchers import LaunchEnv, MasterEndpoint, master_endpoint, parse_port
 from ddpkit.distributed.process_group import join_job
-from ddpkit.distributed.processes import Outcome, RankFailedError, Stop, run_and_collect
+from ddpkit.distributed.processes import Outcome, RankFailedError, Stop, run_processes
 from ddpkit.distributed.stops import (
     HANG_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
@@ -148,10 +149,10 @@ def spawn(
                 "spawn(nprocs=None) starts one process per GPU, and no GPU is visible: "
                 "pass nprocs=N to run N CPU processes with Gloo"
             )
-    nprocs = check_count("nprocs", nprocs, 1)
-    nnodes = check_count("nnodes", nnodes, 1)
-    node_rank = check_count("node_rank", node_rank, 0)
-    max_restarts = check_count("max_restarts", max_restarts, 0)
+    nprocs = as_int("nprocs", nprocs, 1)
+    nnodes = as_int("nnodes", nnodes, 1)
+    node_rank = as_int("node_rank", node_rank, 0)
+    max_restarts = as_int("max_restarts", max_restarts, 0)
     if node_rank >= nnodes:
         raise ValueError(f"node_rank={node_rank} must be in 0..{nnodes - 1} for nnodes={nnodes}")
     if nnodes > 1 and init_method is None:
@@ -219,7 +220,7 @@ def _attempt(job: _Job, relay: _SignalRelay) -> Outcome:
         job = replace(job, endpoint=MasterEndpoint("127.0.0.1", str(store.port), "spawn"))
     try:
         _plan(job, 0)  # a bad init method or MASTER_PORT: said once, here, not by every child
-        return run_and_collect(
+        return run_processes(
             _child,
             job.nprocs,
             (job,),
@@ -273,6 +274,7 @@ def _noted(failure: RankFailedError, restarts: int, max_restarts: int) -> RankFa
         failure.remote_traceback,
         failure.exitcode,
         failure.note,
+        failure.expected_line,
     )
 
 
@@ -324,7 +326,7 @@ class _SignalRelay:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self._first_sigint is not None:
             if time.monotonic() - self._first_sigint > _SECOND_SIGINT_S:
-                raise KeyboardInterrupt  # run_and_collect kills the children on its way out
+                raise KeyboardInterrupt  # run_processes kills the children on its way out
             return
         if signum == signal.SIGINT:
             self._first_sigint = time.monotonic()

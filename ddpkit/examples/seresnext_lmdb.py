@@ -18,11 +18,13 @@ PyTorch ImageNet example, ``-b`` is the global batch of all processes of all nod
 Needs timm: ``pip install "ddpkit[examples]"``.
 """
 
+# ruff: noqa: SIM905 - lists of flag names read best as one line of text
 from __future__ import annotations
 
 import argparse
 import gc
 import logging
+import re
 import shutil
 import sys
 import time
@@ -37,42 +39,14 @@ from torch import nn
 
 import ddpkit
 from ddpkit.examples import seresnext_flags
-from ddpkit.examples.seresnext_config import resolved
-from ddpkit.examples.seresnext_setup import (
-    BALANCE_POWERS,
-    batch_error,
-    batch_line,
-    check_resume_config,
-    data_record,
-    load_weights,
-    model_record,
-    weights_prefix,
-    workers_per_process,
-)
-
-__all__ = [
-    "build_model",
-    "build_parser",
-    "demo",
-    "evaluate_only",
-    "init_arguments",
-    "load_for_evaluation",
-    "main",
-    "parse_args",
-    "run",
-    "train",
-]
+from ddpkit.examples.seresnext_flags import BALANCE_POWERS, batch_error, warn_changed_settings
 
 
 def train(
     info: ddpkit.DistInfo, args: argparse.Namespace, schedule_epochs: int | None = None
 ) -> dict[str, Any]:
-    """One process's whole run, the recipe's ``main_worker``; every rank calls it.
-
-    ``schedule_epochs``: the epochs the learning-rate schedule spans (default
-    ``--epochs``; more stops the run before its end, as the demo's first job).
-    Returns the last epoch's record, or with ``--evaluate`` the metrics.
-    """
+    """One process's run, the recipe's ``main_worker``: the last epoch's record (``--evaluate``:
+    the metrics). ``schedule_epochs``: the schedule's span, if more than ``--epochs``."""
     _start_process(info, args.batch_size)
     torch.manual_seed(args.seed)
 
@@ -99,11 +73,9 @@ def train(
     val_batch = max(1, args.batch_size // info.world_size)
     val_loader = ddpkit.build_loader(val_set, batch_size=val_batch, train=False, **loading)
 
-    # The recipe's loss, and what every checkpoint records of the model it trains.
     criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)
-    record = model_record(args, classes)
     if args.evaluate:
-        return evaluate_only(info, args, build_model(args, classes), val_loader, criterion, record)
+        return evaluate_only(info, args, val_loader, classes, criterion)
 
     # The model: SyncBatchNorm and DDP when there are several processes, itself on one.
     net = build_model(args, classes)
@@ -125,11 +97,8 @@ def train(
         repeats=args.aug_repeats,
         **loading,
     )
-    logging.info(
-        batch_line(
-            args.batch_size, info.world_size, train_loader.batch_size or 0, train_loader.num_workers
-        )
-    )
+    per_process, workers = train_loader.batch_size or 0, train_loader.num_workers
+    logging.info(batch_line(args.batch_size, info.world_size, per_process, workers))
 
     # SGD with momentum; x0.1 at the milestones (or a cosine), stepped every optimizer step.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -159,13 +128,13 @@ def train(
         every_minutes=args.save_every_minutes,
         on_each_node=args.save_on_each_node,
         overwrite=args.overwrite,
-        extra={**record, **data_record(args)},
+        extra=record(args, classes, MODEL_FLAGS + SAMPLE_FLAGS),
     )
-    run_config = resolved(args, args.sources)
+    run_config = ddpkit.CommandLine.resolved(args)
     # A restarted process (torchrun --max-restarts, --max-restarts) continues the run.
     resume = args.resume or info.restart_count > 0
-    if resume is True:  # a named file may be of another run: its own flags are not compared
-        check_resume_config(checkpoints, run_config)
+    if resume:
+        warn_changed_settings(checkpoints, run_config)
     history = ddpkit.fit(
         model,
         train_loader,
@@ -197,20 +166,15 @@ def train(
             hang_timeout=args.hang_timeout, on_data_change=args.on_data_change.replace("-", "_")
         ),
     )
-    # Drawing curves.png can leave fit's frame, and with it the loaders, in a reference
-    # cycle. Collected now, their persistent workers stop here, before the process group
-    # goes, instead of at the interpreter's exit.
+    # curves.png can leave the loaders in a reference cycle: their workers stop now, not at exit.
     gc.collect()
     return history.last if history.records else {}
 
 
 def _start_process(info: ddpkit.DistInfo, global_batch: int) -> None:
     """Rank-prefixed logs, ``-b`` checked against the processes, this process's share of the CPU."""
-    logging.basicConfig(
-        level=logging.INFO if info.is_main else logging.WARNING,
-        format=f"[rank {info.rank}] %(asctime)s %(message)s",
-        force=True,
-    )
+    level, form = logging.INFO if info.is_main else logging.WARNING, "%(asctime)s %(message)s"
+    logging.basicConfig(level=level, format=f"[rank {info.rank}] {form}", force=True)
     error = batch_error(global_batch, info.world_size)
     if error is not None:  # before any data or model is built; rank 0 says why
         if info.is_main:
@@ -229,11 +193,8 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
         )
     model = timm.create_model(args.arch, pretrained=False, num_classes=num_classes)
     if args.pretrained and not args.evaluate:
-        # The ImageNet head (1000 outputs) is skipped; ours stays fresh.
-        ddpkit.load_pretrained(model, args.pretrained)
-        # A frozen backbone only makes sense with learned features: without
-        # --pretrained every layer trains (parse_args refuses --freeze-backbone).
-        if not args.requires_grad:
+        ddpkit.load_pretrained(model, args.pretrained)  # the 1000-class head is skipped
+        if not args.requires_grad:  # without --pretrained every layer trains (random features)
             trainable = ddpkit.freeze_backbone(model)
             logging.info(
                 "training only %s; --requires-grad trains all layers", ", ".join(trainable)
@@ -242,18 +203,14 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
 
 
 def evaluate_only(
-    info: ddpkit.DistInfo,
-    args: argparse.Namespace,
-    model: nn.Module,
-    val_loader: Any,
-    criterion: nn.Module,
-    record: dict[str, Any] | None = None,
+    info: ddpkit.DistInfo, args: argparse.Namespace, loader: Any, classes: int, loss: nn.Module
 ) -> dict[str, Any]:
     """``--evaluate``: the accuracy of a checkpoint, printed on rank 0. Every rank calls it."""
-    source = load_for_evaluation(args, model, record)
+    model = build_model(args, classes)
+    source = load_for_evaluation(args, model, record(args, classes, MODEL_FLAGS))
     # evaluate() runs the plain model on each rank's share: no DDP wrapper is needed.
     metrics = ddpkit.evaluate(
-        model.to(info.device), val_loader, criterion=criterion, amp=args.amp, device=info.device
+        model.to(info.device), loader, criterion=loss, amp=args.amp, device=info.device
     )
     if info.is_main:
         top5 = f" acc5 {metrics['acc5']:.3f}" if len(metrics["recall"]) > 5 else ""
@@ -267,13 +224,9 @@ def evaluate_only(
 def load_for_evaluation(
     args: argparse.Namespace, model: nn.Module, record: dict[str, Any] | None = None
 ) -> str:
-    """Load what ``--evaluate`` measures into ``model``; return where it came from.
-
-    ``--resume PATH`` (any checkpoint or weights file, read on every node), else
-    the newest complete checkpoint any node holds in ``--checkpoints``, else
-    ``--pretrained``. A checkpoint trained with another ``record`` (``--arch``
-    ...) is refused before loading. All ranks must call this, or it deadlocks.
-    """
+    """Load what ``--evaluate`` measures into ``model`` and say where it came from: ``--resume
+    PATH``, else the newest checkpoint any node holds, else ``--pretrained``. One trained with
+    another ``record`` is refused before loading. All ranks must call this, or it deadlocks."""
     if isinstance(args.resume, str):
         load_weights(model, args.resume, "--resume", record)
         return args.resume
@@ -283,15 +236,13 @@ def load_for_evaluation(
         extra=record,
         state=ddpkit.TrainingState(model),
     )
-    with warnings.catch_warnings():
-        # Evaluation draws no random numbers: RNG states saved by another
-        # number of ranks do not matter here.
+    with warnings.catch_warnings():  # evaluation draws no random numbers
         warnings.filterwarnings("ignore", ".*RNG state", RuntimeWarning)
         checkpoints.resume(strict_rng=False)
     if checkpoints.position is not None:
         return str(checkpoints.resumed_from or f"the newest checkpoint in {args.checkpoints}")
     if args.pretrained:
-        load_weights(model, args.pretrained, "--pretrained")
+        load_weights(model, args.pretrained, "--pretrained", None)
         return str(args.pretrained)
     raise ddpkit.CheckpointError(
         f"--evaluate: no checkpoint in {args.checkpoints} on any node and no --pretrained; "
@@ -318,29 +269,65 @@ def run(args: argparse.Namespace, schedule_epochs: int | None = None) -> dict[st
 
 
 def init_arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """What ``init_distributed`` needs beyond the launcher's variables.
-
-    The recipe's one-process-per-node mode (``--world-size N --rank R --dist-url``)
-    passes the job explicitly; otherwise ``init_distributed`` finds torchrun,
-    SLURM or Open MPI itself, or runs a single process.
-    """
+    """What ``init_distributed`` needs beyond a launcher's variables: the recipe's job
+    (``--world-size N --rank R --dist-url``), else nothing (torchrun, SLURM, one process)."""
+    job = {"init_method": args.dist_url, "world_size": args.world_size, "rank": args.rank}
     device = None if args.gpu is None else f"cuda:{args.gpu}"
-    if args.world_size > 1:
-        return {
-            "init_method": args.dist_url,
-            "world_size": args.world_size,
-            "rank": args.rank,
-            "backend": args.dist_backend,
-            "device": device,
-        }
-    return {"backend": args.dist_backend, "device": device}
+    return {**(job if args.world_size > 1 else {}), "backend": args.dist_backend, "device": device}
 
 
-# What --demo-recipe changes in the demo's training (benchmarks.md compares the two).
-_DEMO_RECIPES: dict[str, dict[str, Any]] = {
-    "classic": {"sched": "step"},
-    "modern": {"sched": "cosine", "warmup_epochs": 1.0, "model_ema": True, "model_ema_decay": 0.98},
-}
+def weights_prefix(args: argparse.Namespace) -> str:
+    """The start of the per-epoch weight files' names: ``--network``, else the arch."""
+    # hf-hub:org/name -> hf-hub-org-name
+    return str(args.network) if args.network is not None else re.sub(r"[^\w.-]+", "-", args.arch)
+
+
+def workers_per_process(workers: int | None, nprocs: int) -> int | None:
+    """``-j`` (per node) shared by its ``nprocs`` processes, rounded up as the recipe did."""
+    return None if workers is None else (workers + nprocs - 1) // nprocs
+
+
+def batch_line(global_batch: int, nprocs: int, per_process: int, workers: int) -> str:
+    """The start-up line that says how ``-b`` and ``-j`` were shared out."""
+    return (
+        f"global batch {global_batch} (-b: all processes of all nodes, not per node) = "
+        f"{nprocs} process{'es' if nprocs != 1 else ''} x {per_process} per process; "
+        f"{workers} data worker{'s' if workers != 1 else ''} per process"
+    )
+
+
+# What every checkpoint records (CheckpointManager(extra=)): the model's flags, checked on
+# --evaluate and --resume, and those that decide the samples, their order and augmentations.
+MODEL_FLAGS = ["arch", "image_size"]
+SAMPLE_FLAGS = (
+    "batch_size seed data balance aug_repeats auto_augment aug_magnitude random_erase"
+).split()
+
+
+def record(args: argparse.Namespace, num_classes: int, flags: Sequence[str]) -> dict[str, Any]:
+    """``{"--num-classes": num_classes, "--arch": ..., ...}``: the values of ``flags``."""
+    return {
+        "--num-classes": num_classes,
+        **{f"--{f.replace('_', '-')}": getattr(args, f) for f in flags},
+    }
+
+
+def load_weights(model: nn.Module, path: str, flag: str, record: dict[str, Any] | None) -> None:
+    """Load the whole of ``path`` into ``model`` on every rank, refused before loading if its run
+    recorded another ``record``; a failure on one rank reaches all. All ranks must call this."""
+    error = None
+    try:
+        if ddpkit.load_pretrained(model, path, strict=True, expected_extra=record).skipped:
+            error = f"{path} has another head than the model: pass its --num-classes"
+    except (OSError, ValueError, ddpkit.CheckpointError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    errors = [(rank, e) for rank, e in enumerate(ddpkit.all_gather_object(error)) if e]
+    if errors:
+        rank, first = errors[0]
+        raise ddpkit.CheckpointError(f"--evaluate {flag} {path} (rank {rank}): {first}")
+
+
+_MODERN = {"sched": "cosine", "warmup_epochs": 1.0, "model_ema": True, "model_ema_decay": 0.98}
 
 
 def demo(args: argparse.Namespace) -> dict[str, Any]:
@@ -365,7 +352,8 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         "milestones": [args.demo_epochs - 1],
         "workers": 0,
         "network": "demo",
-        **_DEMO_RECIPES[args.demo_recipe],
+        # --demo-recipe: modern (warm-up, cosine, EMA) or classic (x0.1 for the last epoch)
+        **({"sched": "step"} if args.demo_recipe == "classic" else _MODERN),
         "checkpoints": str(out / "checkpoints"),
         "multiprocessing_distributed": True,
         "nprocs": nprocs,
@@ -385,11 +373,6 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         f"total wall time {seconds:.1f} s ({where} processes)"
     )
     return record
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The example's parser, without ``--config`` files or the checks between flags."""
-    return seresnext_flags.build_parser(description=__doc__)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

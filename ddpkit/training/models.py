@@ -14,11 +14,15 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from ddpkit.checkpoint.restore import check_extra
 from ddpkit.checkpoint.serialization import load_checkpoint
+from ddpkit.checkpoint.sync import extra_of
 
 __all__ = ["PretrainedReport", "freeze_backbone", "load_pretrained"]
 
@@ -58,7 +62,11 @@ def _few(names: list[str]) -> str:
 
 
 def load_pretrained(
-    model: nn.Module, path: str | os.PathLike[str], *, strict: bool = False
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    strict: bool = False,
+    expected_extra: Mapping[str, Any] | None = None,
 ) -> PretrainedReport:
     """Copy the matching weights of a local file into ``model``; a differently sized head is kept.
 
@@ -74,13 +82,18 @@ def load_pretrained(
         path: the weights file.
         strict: also fail when the file leaves any of the model's tensors
             unset or has tensors the model lacks (shape-skipped ones excepted).
+        expected_extra: refuse, before loading, a file whose run recorded another
+            value for one of these keys (``CheckpointManager(extra=...)``, e.g. the
+            architecture): a checkpoint's own ``extra``, or for a weight file
+            (``best.pth``) that of the ``latest.pth`` beside it.
 
     Returns:
         A :class:`PretrainedReport` of the loaded, skipped and missing names.
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ddpkit.CheckpointError: the file is damaged or not ``weights_only``-safe.
+        ddpkit.CheckpointError: the file is damaged or not ``weights_only``-safe, or its
+            run recorded another value for a key of ``expected_extra``.
         ValueError: the file holds no tensors, none of its names match the
             model (another architecture), or, with ``strict``, some do not.
 
@@ -90,7 +103,13 @@ def load_pretrained(
         >>> report.skipped  # the ImageNet head
         ['last_linear.weight', 'last_linear.bias']
     """
-    state = _state_dict_of(load_checkpoint(path), path)
+    raw = load_checkpoint(path)
+    if expected_extra:
+        saved = raw.get("extra")
+        if not isinstance(saved, dict):  # a weight file: its run's record lies beside it
+            saved = extra_of(Path(path).parent / "latest.pth")
+        check_extra(str(path), saved or {}, expected_extra)
+    state = _state_dict_of(raw, path)
     own = model.state_dict()
     known = {n: t for n, t in state.items() if n in own}
     matched = {n: t for n, t in known.items() if t.shape == own[n].shape}

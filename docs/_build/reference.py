@@ -31,15 +31,16 @@ def _entries(face: str) -> list[str]:
 def pages() -> dict[str, str]:
     """Each reference page's file name and text."""
     parts = tuple(f"ddpkit.{part}." for part in PARTS)
-    # The top level's own names (Position): on the checkpoint page, where positions are saved.
-    own = [e for e in _entries("ddpkit") if not e.startswith(parts)]
     made = {}
     for part in PARTS:
         face = f"ddpkit.{part}"
         summary = (importlib.import_module(face).__doc__ or "").split("\n\n")[0]
-        entries = _entries(face) + (own if part == "checkpoint" else [])
-        lines = [f"# `{face}`", "", summary, "", *(f"::: {entry}" for entry in entries)]
+        lines = [f"# `{face}`", "", summary, "", *(f"::: {entry}" for entry in _entries(face))]
         made[f"{part}.md"] = "\n".join(lines) + "\n"
+    # The top level's own names (Position, CommandLine ...): a page of their own.
+    own = [f"::: {e}" for e in _entries("ddpkit") if not e.startswith(parts)]
+    top = "Names of the top level beside the four parts': a run's place and a script's flags."
+    made["ddpkit.md"] = "\n".join(["# `ddpkit`", "", top, "", *own]) + "\n"
     made["testing.md"] = "# `ddpkit.testing`\n\n::: ddpkit.testing\n"
     return made
 

@@ -23,9 +23,11 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 from warm import warm_run  # type: ignore[import-not-found]
 
+import ddpkit
 from ddpkit import ReportConfig
+from ddpkit.command_line import MAX_BYTES
+from ddpkit.examples import seresnext_flags
 from ddpkit.examples import seresnext_lmdb as example
-from ddpkit.examples.seresnext_config import MAX_BYTES
 
 # Every type a YAML file can give a value, and the odd values of each.
 _VALUES: list[Any] = [
@@ -53,7 +55,7 @@ _VALUES: list[Any] = [
 ]
 _FLAGS = [
     a
-    for a in example.build_parser()._actions
+    for a in ddpkit.CommandLine.define(seresnext_flags.FLAGS).actions
     if a.option_strings and a.dest not in ("help", "config")
 ]
 
@@ -208,7 +210,7 @@ def test_an_unreadable_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFix
 def test_a_link_to_dev_zero_is_refused_without_reading_it(tmp_path: Path) -> None:
     (tmp_path / "zero.yaml").symlink_to("/dev/zero")
     code = (
-        "from ddpkit.examples.seresnext_config import load_config\n"
+        "from ddpkit import load_config\n"
         "try:\n"
         f"    load_config({str(tmp_path / 'zero.yaml')!r})\n"
         "except ValueError as exc:\n"

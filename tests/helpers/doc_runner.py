@@ -2,12 +2,11 @@
 
 A child process of tests/docs/test_doc_code.py, so that what a block does to the
 interpreter (a process group, signal handlers, environment variables, a
-crash) stays out of the test run. The guides are read top to bottom: their
-blocks share one working directory, so a file one block writes is there for
-the next. docs/api.md is a reference: each entry starts from the world as the
-template has it (what the entry before changed is put back). Every block gets
-fresh names (``model``, ``train_loader`` ...) from doc_context, as each snippet
-is written to stand on its own.
+crash) stays out of the test run. A page is read top to bottom: its blocks
+share one working directory, a copy of the template, so a file one block
+writes is there for the next. Every block gets fresh names (``model``,
+``train_loader`` ...) from doc_context, as each snippet is written to stand
+on its own.
 
 Each block's result goes to OUT.json as soon as it is known, so a block that
 hangs past the parent's deadline still leaves the others' results.
@@ -16,12 +15,10 @@ hangs past the parent's deadline still leaves the others' results.
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -103,49 +100,6 @@ def _definitions_module(tree: ast.Module, name: str, where: Path) -> None:
     (where / f"{name}.py").write_text(source + "\n", encoding="utf-8")
 
 
-def _entries(root: Path) -> dict[str, tuple[int, ...]]:
-    """Each path under ``root`` with what a write, rename, chmod or replacement changes.
-
-    A folder's own times change with its entries, which are compared one by one.
-    """
-    found = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(folder, name)
-            st = os.lstat(path)
-            whole = (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-            found[os.path.relpath(path, root)] = whole[:2] if stat.S_ISDIR(st.st_mode) else whole
-    return found
-
-
-def _restore(world: Path, template: Path, entries: dict[str, tuple[int, ...]]) -> None:
-    """Make ``world`` a copy of ``template`` again; ``entries``: its state right after the copy."""
-    now = _entries(world)
-    for path in sorted(set(now) - set(entries), reverse=True):  # added: children first
-        target = world / path
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif os.path.lexists(target):
-            target.unlink()
-    for path in sorted(entries):  # changed or removed: parents first
-        if now.get(path) == entries[path]:
-            continue
-        target, source = world / path, template / path
-        if os.path.lexists(target) and (not target.is_dir() or target.is_symlink()):
-            target.unlink()
-        elif target.is_dir():
-            if os.path.isdir(source) and not source.is_symlink():
-                os.chmod(target, os.lstat(source).st_mode)  # same folder, other mode
-                continue
-            shutil.rmtree(target)
-        if source.is_symlink():
-            os.symlink(os.readlink(source), target)
-        elif source.is_dir():
-            shutil.copytree(source, target, symlinks=True)
-        else:
-            shutil.copy2(source, target)
-
-
 class Runner:
     def __init__(self, doc: str, template: Path, out: Path) -> None:
         self.doc = doc
@@ -154,28 +108,14 @@ class Runner:
         self.results: dict[str, Any] = {}
         self.scratch = Path(tempfile.mkdtemp(prefix="ddpkit-doc-"))
         self.world: Path | None = None
-        self.entries: dict[str, tuple[int, ...]] = {}
-        self.count = 0
         self.started = time.monotonic()
         self.env = dict(os.environ)
 
-    def fresh_world(self) -> None:
-        """The world as the template has it, in ``self.world``, the current directory.
-
-        Copied once; after that only what the last section changed, added or
-        removed is put back (a full copy of its thousand small files for each
-        of api.md's sections took most of the page's time).
-        """
-        self.count += 1  # fresh module names for the section's blocks
-        if self.world is None:
-            self.world = self.scratch / "world"
-            shutil.copytree(self.template, self.world, symlinks=True)
-            sys.path.insert(0, str(self.world))
-        else:
-            os.chdir(self.scratch)
-            _restore(self.world, self.template, self.entries)
-            importlib.invalidate_caches()  # the finder's listing of the directory
-        self.entries = _entries(self.world)
+    def make_world(self) -> None:
+        """A copy of the template in ``self.world``, the current directory."""
+        self.world = self.scratch / "world"
+        shutil.copytree(self.template, self.world, symlinks=True)
+        sys.path.insert(0, str(self.world))
         os.chdir(self.world)
 
     def record(self, block: Block, **result: Any) -> None:
@@ -187,13 +127,8 @@ class Runner:
 
     def run(self) -> None:
         blocks = parse(ROOT / self.doc)
-        reference = self.doc == "docs/api.md"
-        section = None
-        self.fresh_world()
+        self.make_world()
         for block in blocks:
-            if reference and block.section != section and section is not None:
-                self.fresh_world()
-            section = block.section
             if block.kind in ("skip", "signature"):
                 continue
             assert self.world is not None
@@ -254,7 +189,7 @@ class Runner:
         ast.increment_lineno(tree, block.line)
         handled = _mark_handlers(tree)
         script = any(isinstance(n, ast.If) and "__name__" in ast.unparse(n.test) for n in tree.body)
-        module_name = f"docblock_{self.count}_{block.line}"
+        module_name = f"docblock_{block.line}"
         _definitions_module(tree, module_name, self.world)  # type: ignore[arg-type]
         names = _Names(_free_names(tree))
         names.update(extra)

@@ -149,20 +149,6 @@ def test_a_loader_without_a_known_order_cannot_change_ranks() -> None:
         epoch_batches(loader, 0, Position(0, 1, 4, 1, 2), world_size=3, rank=0)
 
 
-def test_skip_next_applies_to_one_epoch_only() -> None:
-    loader = _loader(20, 1, 0, 2)
-    sampler = loader.sampler
-    sampler.set_epoch(0)
-    whole = list(sampler)
-    sampler.skip_next(5)
-    sampler.set_epoch(0)
-    assert list(sampler) == whole[5:]
-    sampler.set_epoch(0)
-    assert list(sampler) == whole
-    with pytest.raises(ValueError, match="count"):
-        sampler.skip_next(-1)
-
-
 def test_a_plain_loader_resumed_without_its_epochs_seeds_is_said_inexact() -> None:
     from ddpkit.data.resume import inexact_resume
     from ddpkit.data.streams import EPOCH_SEEDS

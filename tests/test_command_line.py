@@ -1,0 +1,111 @@
+"""ddpkit.command_line: a table of flags on a parser, ``--config`` files as their defaults, the
+command line over the file over the defaults, and the record of where each value came from."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpkit import CommandLine, load_config
+
+_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("--config",), {"metavar": "FILE"}),
+    (("-n", "--steps"), {"type": int, "default": 10}),
+    (("--names",), {"nargs": "*", "default": ["a"]}),
+    (("--fast",), {"action": "store_true", "one_of": "speed"}),
+    (("--slow",), {"action": "store_true", "one_of": "speed"}),
+    (("--rate",), {"type": float, "one_of": "rate", "default": 0.5}),
+    (("--rate-per-item",), {"type": float, "one_of": "rate"}),
+    (("--out",), {"help": "where it goes"}),
+]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return CommandLine.define(_FLAGS, "a tool", "NOTES AFTER THE FLAGS").parse(argv)
+
+
+def test_the_table_makes_the_parser_and_its_groups() -> None:
+    line = CommandLine.define(_FLAGS, "a tool", "NOTES AFTER THE FLAGS")
+    assert [a.dest for a in line.actions] == [
+        "config", "steps", "names", "fast", "slow", "rate", "rate_per_item", "out",
+    ]  # fmt: skip
+    assert line.exclusive == (("fast", "slow"), ("rate", "rate_per_item"))
+    assert vars(line.bare.parse_known_args([])[0]) == {}  # no defaults: argv alone
+    with pytest.raises(argparse.ArgumentError):
+        line.bare.parse_known_args(["--steps", "x"])
+    assert "NOTES AFTER THE FLAGS" in line.parser.format_help()
+    with pytest.raises(SystemExit):
+        line.parser.parse_args(["--fast", "--slow"])  # argparse's own exclusion
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("c.yaml", "steps: 3\nnames: [x, y]\nfast: true\n"),
+        ("c.toml", 'steps = 3\nnames = ["x", "y"]\nfast = true\n'),
+    ],
+)
+def test_the_command_line_wins_over_the_file_over_the_defaults(
+    tmp_path: Path, name: str, text: str
+) -> None:
+    (tmp_path / name).write_text(text)
+    args = _parse(["--config", str(tmp_path / name), "-n", "5"])
+    assert (args.steps, args.names, args.fast, args.out) == (5, ["x", "y"], True, None)
+    assert args.sources == {
+        "config": "command line", "steps": "command line", "names": "config", "fast": "config",
+    }  # fmt: skip
+    record = CommandLine.resolved(args)
+    assert record["steps"] == {"value": 5, "source": "command line"}
+    assert record["names"] == {"value": ["x", "y"], "source": "config"}
+    assert record["out"] == {"value": None, "source": "default"}
+    assert "sources" not in record
+
+
+def test_a_flag_on_the_command_line_drops_the_file_s_flag_it_excludes(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text("rate_per_item: 0.1\nslow: true\n")
+    args = _parse(["--config", str(tmp_path / "c.yaml"), "--rate", "2", "--fast"])
+    assert (args.rate, args.rate_per_item, args.fast, args.slow) == (2.0, None, True, False)
+    assert set(args.sources) == {"config", "rate", "fast"}
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("stpes: 3\n", "unknown key 'stpes': no flag --stpes; did you mean --steps?"),
+        ("steps: x\n", "key 'steps': 'x': -n/--steps: invalid int value: 'x'"),
+        ("steps: [1, 2]\n", "-n/--steps takes one value (a value), not a list"),
+        ("fast: 1\n", "--fast is a switch: true or false"),
+        (
+            "rate: 1\nrate_per_item: 2\n",
+            "sets --rate and --rate-per-item, which exclude each other",
+        ),
+        ("steps: null\n", "null, and -n/--steps has no empty value (its default is 10)"),
+        ("config: x.yaml\n", "key 'config': --config is for the command line only"),
+        ("- 1\n", "holds a list, not a table of flag: value"),
+    ],
+)
+def test_a_bad_file_is_one_line_naming_the_file_and_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, said: str
+) -> None:
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(SystemExit) as exited:
+        _parse(["--config", str(tmp_path / "c.yaml")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err
+    assert f"error: --config {tmp_path / 'c.yaml'}" in err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_load_config_reads_only_a_table_of_a_regular_file(tmp_path: Path) -> None:
+    (tmp_path / "ok.yml").write_text("a: 1\nwhen: '10:20'\nt: 10:20\n")
+    assert load_config(str(tmp_path / "ok.yml")) == {"a": 1, "when": "10:20", "t": "10:20"}
+    (tmp_path / "c.ini").write_text("a = 1\n")
+    with pytest.raises(ValueError, match=r"ends in \.yaml, \.yml or \.toml"):
+        load_config(str(tmp_path / "c.ini"))
+    (tmp_path / "d.yaml").mkdir()
+    with pytest.raises(ValueError, match=r"d\.yaml: is a directory"):
+        load_config(str(tmp_path / "d.yaml"))
