@@ -65,7 +65,8 @@ class _Trackers(argparse.Action):
 # --balance: the power of the class sizes the draws follow (None: the plain shuffle).
 BALANCE_POWERS: dict[str, float | None] = {"none": None, "sqrt": 0.5, "class": 1.0}
 INT0, INT1, FLOAT0 = _number(int, 0), _number(int, 1), _number(float, 0)
-POSITIVE = _number(float, 0, strict=True)
+POSITIVE, EPOCH = _number(float, 0, strict=True), _number(int, 0, strict=True)
+SHARE, ODDS = _number(float, 0, strict=True, most=1), _number(float, 0, most=1)
 
 
 def _f(*names: str, **options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
@@ -87,27 +88,27 @@ FLAGS = (
     _f("--decode", choices=("tensor", "cuda"), default="tensor", help="where images decode"),
     _f("--worker-start", choices=("fork", "forkserver", "spawn"), help="how data workers start"),
     _f("--balance", choices=tuple(BALANCE_POWERS), default="none", help="how classes are drawn"),
-    _f("--aug-repeats", type=INT1, default=1, metavar="N", help="each drawn image N times"),
+    _f("--aug-repeats", type=INT1, default=1, metavar="N", help="each drawn image N times (below)"),
     _f("--auto-augment", choices=ddpkit.AUTO_AUGMENTS, help="RandAugment, TrivialAugment, AugMix"),
     _f("--aug-magnitude", type=INT0, default=9, metavar="M", help="rand: 0..30; augmix: 1..10"),
-    _f("--random-erase", type=_number(float, 0, most=1), default=0.0, metavar="P"),
+    _f("--random-erase", type=ODDS, default=0.0, metavar="P", help="Random Erasing odds"),
     _f("--epochs", type=INT1, default=90),
     _f("--lr", type=POSITIVE, default=0.1, one_of="rate", help="the peak learning rate"),
-    _f("--lr-base", type=POSITIVE, metavar="LR", one_of="rate", help="--lr per 256 images"),
+    _f("--lr-base", type=POSITIVE, metavar="LR", one_of="rate", help="--lr per 256 images (below)"),
     _f("--momentum", type=FLOAT0, default=0.9),
     _f("--wd", "--weight-decay", dest="weight_decay", type=FLOAT0, default=1e-4),
-    _f("--sched", choices=["step", "cosine"], default="step", help="after the warm-up"),
-    _f("--milestones", type=_number(int, 0, True), nargs="*", default=[30, 60], help="x0.1 at"),
-    _f("--warmup-epochs", type=FLOAT0, default=0.0, metavar="E", help="from 1%% of the rate"),
+    _f("--sched", choices=["step", "cosine"], default="step", help="after the warm-up (below)"),
+    _f("--milestones", type=EPOCH, nargs="*", default=[30, 60], help="with step: x0.1 at these"),
+    _f("--warmup-epochs", type=FLOAT0, default=0.0, metavar="E", help="warm-up from 1%% of --lr"),
     _f("--model-ema", action="store_true", help="evaluate a moving average of the weights too"),
-    _f("--model-ema-decay", type=POSITIVE, default=0.9998, metavar="D", help="per step"),
+    _f("--model-ema-decay", type=POSITIVE, default=0.9998, metavar="D", help="its decay per step"),
     _f("--mixup", type=FLOAT0, default=0.0, metavar="ALPHA", help="Beta(ALPHA, ALPHA); 0: off"),
     _f("--cutmix", type=FLOAT0, default=0.0, metavar="ALPHA", help="Beta(ALPHA, ALPHA); 0: off"),
     _f("--grad-accum-steps", type=INT1, default=1, metavar="N", help="micro-batches per step"),
     _f("--clip-grad", type=POSITIVE, metavar="NORM", help="clip the gradients' total norm"),
     _f("--compile", action="store_true", help="torch.compile the model"),
     _f("--amp", choices=["bf16", "fp16"], help="mixed precision"),
-    _f("--min-crop", type=_number(float, 0, True, most=1), default=0.08, metavar="AREA"),
+    _f("--min-crop", type=SHARE, default=0.08, metavar="AREA", help="the crop's least area"),
     _f("--seed", type=INT0, default=0),
     _f("--checkpoints", default="checkpoints", metavar="DIR"),
     _f(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch.utils.data import Dataset
 from ddpkit.data import build_loader
 from ddpkit.data.balanced import WeightedDistributedSampler, class_weights
 from ddpkit.data.resume import epoch_batches
+from ddpkit.data.samplers import SeededSamples
 from ddpkit.position import Position
 
 # A long tail: 400, 100, 25, 8 samples (1:50).
@@ -152,8 +154,10 @@ def _keys_of(world: int, rank: int, start: Position | None) -> list[tuple[int, i
         Labelled(TARGETS), batch_size=8, train=True, workers=0, info=info(rank, world),
         balance=0.5, repeats=2, seed=3,
     )  # fmt: skip
-    got = epoch_batches(loader, 1, start, world_size=world, rank=rank)
-    return [key for batch in got.batches.batch_sampler for key in batch]  # type: ignore[attr-defined]
+    # The keys the dataset is asked for: each item is its key (a spy, not the augmentation).
+    with mock.patch.object(SeededSamples, "__getitem__", lambda self, key: key):
+        got = epoch_batches(loader, 1, start, world_size=world, rank=rank)
+        return [tuple(int(v) for v in key) for batch in got for key in zip(*batch, strict=True)]
 
 
 def test_bad_arguments_are_refused_with_the_value() -> None:
