@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import math
 import os
 import re
 import stat
@@ -54,6 +55,30 @@ class CommandLine:
     actions: tuple[argparse.Action, ...]
     exclusive: tuple[tuple[str, ...], ...]
     bare: argparse.ArgumentParser
+
+    @staticmethod
+    def flag(*names: str, **options: Any) -> Flag:
+        """A row of a table of flags: ``flag("-b", "--batch-size", type=int, default=256)``."""
+        return names, options
+
+    @staticmethod
+    def number(kind: type, least: float, strict: bool = False, most: float = math.inf) -> Any:
+        """An argparse type: a finite ``kind`` (``int`` or ``float``) at least ``least`` (above
+        it when ``strict``) and at most ``most``; a wrong text is ``argument -b: must be >= 1``."""
+
+        def parse(text: str) -> Any:
+            try:
+                value = kind(text)
+            except ValueError:
+                what = "a whole number" if kind is int else "a number"
+                raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+            if not math.isfinite(value) or not (value > least if strict else value >= least):
+                raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {least:g}")
+            if value > most:
+                raise argparse.ArgumentTypeError(f"must be <= {most:g}")
+            return value
+
+        return parse
 
     @classmethod
     def define(

@@ -109,3 +109,23 @@ def test_load_config_reads_only_a_table_of_a_regular_file(tmp_path: Path) -> Non
     (tmp_path / "d.yaml").mkdir()
     with pytest.raises(ValueError, match=r"d\.yaml: is a directory"):
         load_config(str(tmp_path / "d.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("kind", "bounds", "text", "said"),
+    [
+        (int, {"least": 1}, "0", "must be >= 1"),
+        (int, {"least": 1}, "2.5", "'2.5' is not a whole number"),
+        (float, {"least": 0, "strict": True}, "0", "must be > 0"),
+        (float, {"least": 0}, "nan", "must be >= 0"),
+        (float, {"least": 0}, "inf", "must be >= 0"),
+        (float, {"least": 0, "most": 1}, "1.5", "must be <= 1"),
+    ],
+)
+def test_a_number_flag_refuses_what_is_out_of_its_range(
+    kind: type, bounds: dict[str, Any], text: str, said: str
+) -> None:
+    parse = CommandLine.number(kind, **bounds)
+    with pytest.raises(argparse.ArgumentTypeError, match=said):
+        parse(text)
+    assert parse("1") == kind(1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -102,107 +103,50 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     return val
 
 
+_f, _number = ddpkit.CommandLine.flag, ddpkit.CommandLine.number
+INT1 = _number(int, 1)
+# The flags, in --help's order (ddpkit.CommandLine: --config FILE gives their defaults).
+FLAGS = (
+    _f("--config", metavar="FILE", help="a YAML or TOML file of flag: value defaults"),
+    _f("--data", metavar="DIR", help="holds train.lmdb, val.lmdb (required)"),
+    _f("--arch", default="legacy_seresnext101_32x4d", metavar="NAME", help="a timm model"),
+    _f("--image-size", type=INT1, default=224, metavar="PIXELS"),
+    _f("-b", "--batch-size", type=INT1, default=256, metavar="GLOBAL_BATCH", help="(below)"),
+    _f("--epochs", type=INT1, default=90, metavar="N"),
+    _f("--lr", type=_number(float, 0, strict=True), default=0.1, help="(0.1)"),
+    _f("--milestones", type=_number(int, 0, strict=True), nargs="*", default=[30, 60, 80]),
+    _f("--seed", type=_number(int, 0), default=0),
+    _f("--amp", choices=["bf16", "fp16"], help="mixed precision (bf16 on CPUs)"),
+    _f("--grad-accum-steps", type=INT1, default=1, metavar="N", help="micro-batches per step"),
+    _f("--clip-grad", type=_number(float, 0, strict=True), metavar="NORM", help="clip to"),
+    _f("--model-ema", action="store_true", help="evaluate a moving average of the weights too"),
+    _f("--model-ema-decay", type=_number(float, 0, strict=True), default=0.9998, metavar="D"),
+    _f("--checkpoints", default="checkpoints", metavar="DIR"),
+    _f("--save-every-steps", type=INT1, metavar="N", help="a step checkpoint every N steps"),
+    _f("--save-every-minutes", type=_number(float, 0, strict=True), metavar="M"),
+    _f("--resume", action="store_true", help="continue from the newest checkpoint any node holds"),
+    _f("--debug", action="store_true", help="the traceback of an error (or DDPKIT_DEBUG=1)"),
+    _f("--nproc-per-node", type=INT1, default=1, metavar="N", help="processes here (below)"),
+)
+NOTES = """\
+-b is the global batch of all processes together. --nproc-per-node N starts N processes on
+this machine (CPU, or one per GPU); under torchrun or SLURM, the launcher's are used.
+"""
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m ddpkit.examples.own_loop", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--data", required=True, metavar="DIR", help="holds train.lmdb, val.lmdb")
-    parser.add_argument(
-        "--arch",
-        default="legacy_seresnext101_32x4d",
-        metavar="NAME",
-        help="a timm model (legacy_seresnext101_32x4d)",
-    )
-    parser.add_argument("--image-size", type=_positive, default=224, metavar="PIXELS")
-    parser.add_argument(
-        "-b",
-        "--batch-size",
-        type=_positive,
-        default=256,
-        metavar="GLOBAL_BATCH",
-        help="the batch of all processes together (256)",
-    )
-    parser.add_argument("--epochs", type=_positive, default=90, metavar="N")
-    parser.add_argument("--lr", type=float, default=0.1, help="(0.1)")
-    parser.add_argument("--milestones", type=int, nargs="*", default=[30, 60, 80])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--amp", choices=["bf16", "fp16"], help="mixed precision (bf16 on CPUs)")
-    parser.add_argument(
-        "--grad-accum-steps",
-        type=_positive,
-        default=1,
-        metavar="N",
-        help="micro-batches per optimizer step: the batch of one step is -b x N (1)",
-    )
-    parser.add_argument(
-        "--clip-grad", type=_above_zero, metavar="NORM", help="clip the gradients' norm to NORM"
-    )
-    parser.add_argument(
-        "--model-ema",
-        action="store_true",
-        help="keep an exponential moving average of the weights, evaluated beside them",
-    )
-    parser.add_argument(
-        "--model-ema-decay",
-        type=_decay,
-        default=0.9998,
-        metavar="D",
-        help="the average's decay per optimizer step, in (0, 1) (0.9998)",
-    )
-    parser.add_argument("--checkpoints", default="checkpoints", metavar="DIR")
-    parser.add_argument(
-        "--save-every-steps",
-        type=_positive,
-        metavar="N",
-        help="a step checkpoint every N optimizer steps",
-    )
-    parser.add_argument(
-        "--save-every-minutes",
-        type=float,
-        metavar="M",
-        help="a step checkpoint when M minutes passed since the last save",
-    )
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the newest checkpoint any node holds"
-    )
-    parser.add_argument(
-        "--debug", action="store_true", help="the traceback of an error (or DDPKIT_DEBUG=1)"
-    )
-    parser.add_argument(
-        "--nproc-per-node",
-        type=_positive,
-        default=1,
-        metavar="N",
-        help="processes to start on this machine (CPU, or one per GPU); "
-        "under torchrun or SLURM, the launcher's are used",
-    )
-    args = parser.parse_args(argv)
+    """The flags of ``argv`` (default ``sys.argv[1:]``) over ``--config FILE``, checked."""
+    line = ddpkit.CommandLine.define(FLAGS, __doc__.split("\n")[0], NOTES)
+    args = line.parse(list(sys.argv[1:] if argv is None else argv))
+    if args.data is None:
+        line.parser.error("--data DIR is required")
+    if not args.model_ema_decay < 1:
+        line.parser.error(f"argument --model-ema-decay: must be < 1, got {args.model_ema_decay}")
     if args.batch_size % args.nproc_per_node:
-        parser.error(
+        line.parser.error(
             f"-b {args.batch_size} is not divisible by --nproc-per-node {args.nproc_per_node}"
         )
     return args
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
-
-
-def _above_zero(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
-    return value
-
-
-def _decay(text: str) -> float:
-    value = float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must lie between 0 and 1, got {text}")
-    return value
 
 
 def _rank(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:

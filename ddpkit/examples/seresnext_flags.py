@@ -7,7 +7,6 @@ A wrong value is argparse's ``error:`` line and exit status 2, before anything i
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import warnings
 from collections.abc import Sequence
@@ -19,24 +18,6 @@ import torch
 import ddpkit
 
 __all__ = ["BALANCE_POWERS", "FLAGS", "batch_error", "parse_args", "warn_changed_settings"]
-
-
-def _number(kind: type, least: float, strict: bool = False, most: float = math.inf) -> Any:
-    """An argparse type: a ``kind`` above (``strict``) or at least ``least``, at most ``most``."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            what = "a whole number" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not math.isfinite(value) or not (value > least if strict else value >= least):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {least:g}")
-        if value > most:
-            raise argparse.ArgumentTypeError(f"must be <= {most:g}")
-        return value
-
-    return parse
 
 
 def _steps(text: str) -> tuple[int, int]:
@@ -64,13 +45,10 @@ class _Trackers(argparse.Action):
 
 # --balance: the power of the class sizes the draws follow (None: the plain shuffle).
 BALANCE_POWERS: dict[str, float | None] = {"none": None, "sqrt": 0.5, "class": 1.0}
+_f, _number = ddpkit.CommandLine.flag, ddpkit.CommandLine.number
 INT0, INT1, FLOAT0 = _number(int, 0), _number(int, 1), _number(float, 0)
 POSITIVE, EPOCH = _number(float, 0, strict=True), _number(int, 0, strict=True)
 SHARE, ODDS = _number(float, 0, strict=True, most=1), _number(float, 0, most=1)
-
-
-def _f(*names: str, **options: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
-    return names, options
 
 
 # Every flag in --help's order: its names and add_argument's keywords (one_of: the group of flags

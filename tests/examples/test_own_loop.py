@@ -29,6 +29,7 @@ from warm import WarmProcess, torchrun_command, torchrun_warm_env  # type: ignor
 
 import ddpkit
 from ddpkit import PREEMPTED_EXIT_CODE, load_checkpoint
+from ddpkit.examples import own_loop
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "own_loop.py"
@@ -150,3 +151,22 @@ def test_sigterm_saves_and_exits_75_and_a_changed_data_set_is_refused(
     # The data it was saved with: it goes on, to the uninterrupted run's weights.
     out = _run(data, checkpoints, "--resume")
     assert_nested_equal(_weights(checkpoints), reference)
+
+
+def test_the_flags_take_a_config_file_and_check_the_batch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "recipe.toml").write_text('data = "d"\nepochs = 3\nmodel-ema = true\n')
+    args = own_loop.parse_args(["--config", str(tmp_path / "recipe.toml"), "--epochs", "5"])
+    assert (args.data, args.epochs, args.model_ema) == ("d", 5, True)
+    assert args.sources == {"config": "command line", "data": "config", "epochs": "command line",
+                            "model_ema": "config"}  # fmt: skip
+    for argv, said in (
+        ([], "--data DIR is required"),
+        (["--data", "d", "-b", "5", "--nproc-per-node", "2"], "-b 5 is not divisible by"),
+        (["--data", "d", "--model-ema-decay", "1"], "--model-ema-decay: must be < 1"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            own_loop.parse_args(argv)
+        assert exited.value.code == 2
+        assert said in capsys.readouterr().err
