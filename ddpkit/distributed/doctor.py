@@ -2,11 +2,11 @@
 
 Run on every node, before the job or while it hangs. Each check looks at one
 thing that commonly stops ranks from finding each other (the launcher's
-variables, the interface that routes to the master, ``NCCL_SOCKET_IFNAME``,
-InfiniBand, whether the rendezvous port answers) and says what to change.
-The network lines show :func:`ddpkit.distributed.network.plan_network`'s plan: exactly what
-``init_distributed`` would set on this machine. Nothing here joins a job or
-sends data beyond a TCP connect to the master port.
+variables, the network, whether the rendezvous port answers) and says what
+to change. The network lines are :func:`ddpkit.distributed.network.plan_network`'s
+plan and its own verdicts, judged nowhere else: exactly what ``init_distributed``
+would set on this machine, and what it would refuse or warn about. Nothing
+here joins a job or sends data beyond a TCP connect to the master port.
 """
 
 from __future__ import annotations
@@ -17,16 +17,15 @@ import os
 import platform
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 import torch
 
 from ddpkit._numbers import positive_seconds
 from ddpkit._version import __version__
-from ddpkit.distributed.interfaces import IB_SYSFS, ifname_selects, list_interfaces
+from ddpkit.distributed.interfaces import IB_SYSFS, list_interfaces
 from ddpkit.distributed.launchers import LaunchEnv, detect_launcher, master_endpoint, parse_port
-from ddpkit.distributed.network import NCCL_DEBUG_LEVELS, NetworkPlan, plan_network
+from ddpkit.distributed.network import NetworkPlan, Setting, plan_network, shown
 from ddpkit.distributed.ports import bind_problem, is_local
 from ddpkit.distributed.ports import probe_tcp as _probe_tcp  # the name tests and callers knew
 from ddpkit.distributed.recorder import recorder_state
@@ -73,11 +72,12 @@ def run_checks(
 ) -> list[Check]:
     """Check this machine for what a multi-node job needs; never raises.
 
-    Checks, in this order: versions, GPUs, launcher, interfaces, route to
-    master, ``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``, InfiniBand,
-    ``NCCL_DEBUG``, the flight recorder, what the job does on a hang, and
-    the master port. A check that raises becomes a FAIL line
-    naming the exception; the others still run.
+    Checks, in this order: versions, GPUs, launcher, the network plan
+    (interfaces and InfiniBand devices, the route to the master, one line per
+    variable the plan sets or keeps, then its errors and warnings not shown
+    yet), the flight recorder, what the job does on a hang, and the master
+    port. A check that raises becomes a FAIL line naming the exception; the
+    others still run.
 
     Args:
         master_addr: host of rank 0's rendezvous store; defaults to
@@ -113,18 +113,12 @@ def run_checks(
     checks = _guard("versions", _check_versions)
     checks += _guard("GPUs", lambda: _check_gpus(env))
     checks += _guard("launcher", lambda: _check_launcher(launch, launch_error, world_size))
+    plan: NetworkPlan | None = None
     try:
-        plan: NetworkPlan | None = plan_network(master_addr=addr, environ=env, ib_sysfs=ib_sysfs)
+        plan = plan_network(master_addr=addr, environ=env, ib_sysfs=ib_sysfs)
+        checks += _network_checks(plan, source)
     except Exception as exc:
-        plan = None
         checks.append(_crashed("network plan", exc))
-    if plan is not None:
-        checks += _guard("interfaces", lambda: _check_interfaces(plan))
-        checks += _guard("route to master", lambda: _check_route(plan, source))
-        for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-            checks += _guard(var, partial(_check_ifname, var, plan))
-        checks += _guard("InfiniBand", lambda: _check_infiniband(plan))
-        checks += _guard("NCCL_DEBUG", lambda: _check_nccl_debug(plan))
     checks += _guard("flight recorder", lambda: _check_recorder(env))
     checks += _guard("on a hang", lambda: _check_on_hang(env))
     interfaces = plan.interfaces if plan is not None else list_interfaces()
@@ -139,8 +133,9 @@ def format_report(checks: Sequence[Check]) -> str:
 
     Returns:
         Lines like ``[ OK ] route to master: 10.0.0.1 is reached through eth0
-        (10.0.0.2)``, an indented ``fix: ...`` line under each WARN and FAIL,
-        and a last line counting each status.
+        (10.0.0.2)``, an indented ``fix: ...`` line under each WARN and FAIL
+        that has one (a network plan's message says what to do itself), and a
+        last line counting each status.
     """
     width = max((len(c.name) for c in checks), default=0) + 1
     indent = " " * (len(_TAGS["OK"]) + 1)
@@ -238,122 +233,50 @@ def _check_launcher(
     return Check("launcher", "INFO", f"{launch.launcher}: {variables} ({where})")
 
 
-def _check_interfaces(plan: NetworkPlan) -> Check:
-    if not plan.interfaces:
-        return Check(
-            "interfaces",
-            "WARN",
-            "no network interface found",
-            "run on Linux, or check `ip addr` works in this container",
-        )
-    listed = "; ".join(
-        f"{name} {', '.join(addrs) if addrs else '(no address)'}"
-        for name, addrs in plan.interfaces.items()
-    )
-    return Check("interfaces", "INFO", listed)
+def _network_checks(plan: NetworkPlan, source: str) -> list[Check]:
+    """The plan's facts, its route, each setting, then each message not shown yet."""
+    listed = "; ".join(f"{n} {', '.join(a) or '(no address)'}" for n, a in plan.interfaces.items())
+    ib = f"devices: {', '.join(plan.ib_devices) or 'none'} in {plan.ib_sysfs}"
+    checks = [Check("interfaces", "INFO", listed or "none found"), _route(plan, source)]
+    checks += [*map(_setting, plan.settings), Check("InfiniBand", "INFO", ib)]
+    named = {s.name for s in plan.settings}  # a variable the plan leaves alone: what it is for
+    checks += [Check(v, "INFO", f"unset ({why})") for v, why in _UNSET.items() if v not in named]
+    seen = {c.detail for c in checks}
+    checks += [Check("network", "FAIL", e) for e in plan.errors if e not in seen]
+    return checks + [Check("network", "WARN", w) for w in plan.warnings if w not in seen]
 
 
-def _check_route(plan: NetworkPlan, source: str) -> Check:
+_UNSET = {
+    "NCCL_SOCKET_IFNAME": "init_distributed sets it to the interface that routes to the master",
+    "GLOO_SOCKET_IFNAME": "init_distributed sets it to the interface that routes to the master",
+    "NCCL_DEBUG": "NCCL_DEBUG=INFO prints the interfaces NCCL uses",
+}
+
+
+def _route(plan: NetworkPlan, source: str) -> Check:
     name = "route to master"
-    if not plan.master_addr:
-        fix = "pass --master-addr or set MASTER_ADDR"
-        return Check(name, "WARN", "no master address given", fix)
+    if plan.route_error is not None:  # it says what to do
+        return Check(name, "FAIL", plan.route_error)
     if plan.route is None:
-        fix = (
-            "use the rank-0 host's address as this node sees it (`ip addr` on that node), "
-            "the same on every node"
+        return Check(
+            name, "WARN", "no master address given", "pass --master-addr or set MASTER_ADDR"
         )
-        return Check(name, "FAIL", plan.route_error or "no route", fix)
     addrs = plan.interfaces.get(plan.route, [])
     local = f" ({addrs[0]})" if addrs else ""
     origin = "" if source == "--master-addr" else f"; the address comes from {source}"
-    seen = f"{plan.master_addr} is reached through {plan.route}{local}{origin}"
-    loopback = [w for w in plan.warnings if "resolves to a loopback address" in w]
-    if loopback:
-        fix = "use this machine's network address as MASTER_ADDR on every node, or fix /etc/hosts"
-        return Check(name, "WARN", f"{seen}: {loopback[0].split(': fine')[0]}", fix)
-    return Check(name, "OK", seen)
+    return Check(name, "OK", f"{plan.master_addr} is reached through {plan.route}{local}{origin}")
 
 
-def _check_ifname(var: str, plan: NetworkPlan) -> Check:
-    setting, routed = plan.setting(var), plan.route
-    if setting is None and plan.route_error is not None:
-        return Check(
-            var,
-            "FAIL",
-            "unset, and the master cannot be routed to: init_distributed cannot choose it",
-            "fix the master address (see the route to master line), or set it to an interface",
-        )
-    if setting is None:
-        picked = "the interface that routes to MASTER_ADDR"
-        return Check(var, "INFO", f"unset (init_distributed sets it to {picked} automatically)")
-    if setting.action == "set":
-        return Check(
-            var, "INFO", f"unset (init_distributed sets it to {setting.value} automatically)"
-        )
-    value, gloo = setting.value, var.startswith("GLOO")
-    if setting.problem:
-        to = f" (or set it to {routed})" if routed else ""
-        return Check(
-            var,
-            "FAIL",
-            f"{var}={value!r}: {setting.problem}",
-            f"unset {var}: init_distributed then picks the interface that routes to the master{to}",
-        )
-    if routed is not None and not ifname_selects(value, routed, for_gloo=gloo):
-        return Check(
-            var,
-            "WARN",
-            f"set to {value!r}, but the master is reached through {routed}",
-            f"export {var}={routed if gloo else '=' + routed}, unless the nodes talk "
-            "to each other through another interface on purpose",
-        )
-    return Check(var, "OK", f"{value!r} names an interface of this machine")
-
-
-def _check_infiniband(plan: NetworkPlan) -> Check:
-    setting, sysfs = plan.setting("NCCL_IB_DISABLE"), plan.ib_sysfs
-    kept = setting.value if setting is not None and setting.action == "keep" else None
-    shown = "unset" if kept is None else repr(kept)
-    if plan.ib_devices:
-        found = f"{', '.join(plan.ib_devices)} in {sysfs}; NCCL_IB_DISABLE {shown}"
-        if kept == "1":
-            return Check(
-                "InfiniBand",
-                "WARN",
-                f"{found}: NCCL will not use them",
-                "unset NCCL_IB_DISABLE to let NCCL use InfiniBand, unless it is off on purpose",
-            )
-        return Check("InfiniBand", "INFO", found)
-    if kept == "1":
-        return Check("InfiniBand", "INFO", f"no devices in {sysfs}; NCCL_IB_DISABLE='1'")
-    then = (
-        f"init_distributed sets NCCL_IB_DISABLE={setting.value}"
-        if setting is not None and setting.action == "set"
-        else "NCCL looks for InfiniBand first and, in most versions, falls back to sockets"
-    )
-    return Check(
-        "InfiniBand",
-        "WARN",
-        f"no devices in {sysfs}, and NCCL_IB_DISABLE is {shown}: {then}",
-        "export NCCL_IB_DISABLE=1, or let init_distributed set it",
-    )
-
-
-def _check_nccl_debug(plan: NetworkPlan) -> Check:
-    setting = plan.setting("NCCL_DEBUG")
-    if setting is None:
-        return Check(
-            "NCCL_DEBUG", "INFO", "unset (NCCL_DEBUG=INFO prints the interfaces NCCL uses)"
-        )
-    if setting.problem:
-        return Check(
-            "NCCL_DEBUG",
-            "FAIL",
-            f"NCCL_DEBUG={setting.value!r} is not an NCCL debug level",
-            f"export NCCL_DEBUG to one of {', '.join(NCCL_DEBUG_LEVELS)}, or unset it",
-        )
-    return Check("NCCL_DEBUG", "OK", repr(setting.value))
+def _setting(s: Setting) -> Check:
+    seen = f"{shown(s.name, s.value)} ({s.reason})"
+    if s.action == "set":
+        return Check(s.name, "INFO", f"unset; init_distributed sets {seen}")
+    fix = f"unset {s.name}" + (f" or export {s.name}={s.wanted}" if s.wanted else "")
+    if s.problem:
+        return Check(s.name, "FAIL", s.problem, fix + ("" if s.wanted else ", or correct it"))
+    if s.wanted:
+        return Check(s.name, "WARN", seen, fix + ", unless yours is on purpose")
+    return Check(s.name, "OK", seen)
 
 
 def _check_recorder(env: Mapping[str, str]) -> Check:

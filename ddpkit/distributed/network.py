@@ -16,7 +16,7 @@ import ipaddress
 import logging
 import os
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ddpkit import _graveyard
@@ -30,6 +30,7 @@ from ddpkit.distributed.interfaces import (
     parse_ifname,
     route_interface,
 )
+from ddpkit.distributed.interfaces import ifname_selects as _selects
 from ddpkit.distributed.launchers import master_endpoint
 
 __all__ = [
@@ -57,10 +58,13 @@ class Setting:
         value: its value once the plan is applied.
         action: ``"set"`` (the plan writes it) or ``"keep"`` (the environment's
             value stays).
-        reason: why this value (``"routes to 10.0.0.1"``, ``"from the environment"`` ...).
+        reason: why this value (``"routes to 10.0.0.1"``, ``"from the environment"``;
+            for a kept value the plan would not choose, what it would set and why).
         previous: for ``"set"``: the value before (None: unset).
-        wanted: for ``"keep"``: what the plan would have set, if anything.
-        problem: for ``"keep"``: why the environment's value cannot work, if so.
+        wanted: for ``"keep"``: what the plan would set instead, when the kept value
+            does not do what it wants (None: it does, or the plan wants nothing).
+        problem: for ``"keep"``: why the environment's value cannot work
+            (``"NAME='value' in the environment: ..."``), if so.
     """
 
     name: str
@@ -85,7 +89,8 @@ class NetworkPlan:
         ib_devices: the InfiniBand devices found in ``ib_sysfs``.
         ib_sysfs: where InfiniBand devices were looked for.
         errors: what makes the plan unusable; :meth:`apply` raises the first.
-        warnings: what :meth:`apply` logs as a warning.
+        warnings: what :meth:`apply` logs as a warning. Each error and warning
+            says what to do; ``ddpkit doctor`` shows them as they are.
         backend: the backend the plan is for (None: not said); with ``"gloo"``
             :meth:`apply` sets the NCCL variables without logging them.
     """
@@ -128,21 +133,13 @@ class NetworkPlan:
         env = os.environ if environ is None else environ
         for message in self.warnings:
             logger.warning("network: %s", message)
-        for s in self.settings:
-            if s.action == "keep" and s.wanted is not None:
-                logger.log(
-                    self._level(s, log),
-                    "network: kept %s from the environment (not %s)",
-                    shown(s.name, s.value),
-                    shown(s.name, s.wanted),
-                )
         changed = {}
-        for s in self.changes:
-            env[s.name] = s.value
-            changed[s.name] = s.value
-            logger.log(
-                self._level(s, log), "network: set %s (%s)", shown(s.name, s.value), s.reason
-            )
+        for s in self.settings:
+            if s.action == "set":
+                env[s.name] = changed[s.name] = s.value
+            if s.action == "set" or s.wanted is not None:
+                what = ("set " if s.action == "set" else "kept ") + shown(s.name, s.value)
+                logger.log(self._level(s, log), "network: %s (%s)", what, s.reason)
         return changed
 
     def _level(self, setting: Setting, log: bool) -> int:
@@ -207,6 +204,8 @@ def plan_network(
         except NetworkConfigError as exc:
             route_error = str(exc)
     errors: list[str] = []
+    if not interfaces:
+        notes.append("no network interface found here: run on Linux with a network")
     if route is not None and master and _loopback_route(master, route, interfaces):
         notes.append(
             f"{master} resolves to a loopback address on this machine, so the interface that "
@@ -217,36 +216,40 @@ def plan_network(
     if socket_ifname == "auto":
         if route is not None:
             # NCCL reads a plain value as a prefix ("eth1" would also take eth10); '='
-            # means this interface only, so NCCL and Gloo use the same one.
-            reason = f"routes to {master}"
-            wanted["NCCL_SOCKET_IFNAME"] = ("=" + route, reason)
-            wanted["GLOO_SOCKET_IFNAME"] = (route, reason)
+            # means this interface only, so NCCL and Gloo use the same one. A usable
+            # value of the user's that already takes this interface is not second-guessed.
+            for name, value in (("NCCL_SOCKET_IFNAME", "=" + route), ("GLOO_SOCKET_IFNAME", route)):
+                kept = env.get(name, "")  # '' takes no interface
+                takes = _selects(kept, route, for_gloo=name[0] == "G")
+                if force or not takes or _problem(name, kept, interfaces):
+                    wanted[name] = (value, f"routes to {master}")
         elif route_error is not None and (force or not all(v in env for v in _IFNAME_VARS)):
             errors.append(route_error)
     elif socket_ifname is not None:
         wanted.update(_explicit_ifname(socket_ifname, interfaces, backend, env, force, notes))
 
     devices = tuple(infiniband_devices(ib_sysfs))
-    if ib is None:
-        if not devices:
-            wanted["NCCL_IB_DISABLE"] = ("1", f"no InfiniBand devices in {ib_sysfs}")
-    else:
+    if ib is not None:
         wanted["NCCL_IB_DISABLE"] = ("0" if ib else "1", f"ib={ib}")
+    elif not devices:
+        wanted["NCCL_IB_DISABLE"] = ("1", f"no InfiniBand devices in {ib_sysfs}")
+    elif env.get("NCCL_IB_DISABLE", "").strip() == "1":
+        notes.append(
+            f"NCCL_IB_DISABLE=1 in the environment, so NCCL will not use the InfiniBand "
+            f"devices in {ib_sysfs} ({', '.join(devices)}): unset it, unless that is on purpose"
+        )
 
     settings = []
     for name in _VARIABLES:
         if name in env and not (force and name in wanted):
-            problem = _problem(name, env[name], interfaces)
-            if problem is not None and name in _IFNAME_VARS:
-                errors.append(f"{name}={env[name]!r} in the environment: {problem}")
-            elif problem is not None:
-                notes.append(f"{name}={env[name]!r} in the environment: {problem}")
-            want = wanted[name][0] if name in wanted else None
-            settings.append(
-                Setting(
-                    name, env[name], "keep", "from the environment", wanted=want, problem=problem
-                )
-            )
+            value, problem = env[name], _problem(name, env[name], interfaces)
+            if problem is not None:
+                problem = f"{name}={value!r} in the environment: {problem}"
+                (errors if name in _IFNAME_VARS else notes).append(problem)
+            want, why = wanted.get(name, (value, ""))
+            other = f"; ddpkit would set {shown(name, want)}: {why}" if want != value else ""
+            keep = Setting(name, value, "keep", "from the environment" + other, problem=problem)
+            settings.append(replace(keep, wanted=want) if other else keep)
         elif name in wanted:
             value, reason = wanted[name]
             settings.append(Setting(name, value, "set", reason, previous=env.get(name)))

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from net_fixtures import loopback
 
 from ddpkit.cli import main
+from ddpkit.distributed import network
 from ddpkit.distributed.doctor import (
     Check,
     _guard,
@@ -21,7 +23,7 @@ from ddpkit.distributed.doctor import (
     run_checks,
 )
 from ddpkit.distributed.interfaces import list_interfaces
-from ddpkit.distributed.network import configure_network
+from ddpkit.distributed.network import configure_network, shown
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux interfaces")
 
@@ -53,6 +55,7 @@ _NAMES = [
     "route to master",
     "NCCL_SOCKET_IFNAME",
     "GLOO_SOCKET_IFNAME",
+    "NCCL_IB_DISABLE",
     "InfiniBand",
     "NCCL_DEBUG",
     "flight recorder",
@@ -190,9 +193,11 @@ def test_no_master_warns_twice(no_ib: str) -> None:
     assert (route.status, route.detail) == ("WARN", "no master address given")
     assert route.fix == "pass --master-addr or set MASTER_ADDR"
     assert port.status == "WARN"
-    assert "unset (init_distributed sets it to the interface that routes" in (
-        _check(checks, "NCCL_SOCKET_IFNAME").detail
-    )
+    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):  # without a master: not yet chosen
+        assert _check(checks, var).status == "INFO"
+        assert _check(checks, var).detail == (
+            "unset (init_distributed sets it to the interface that routes to the master)"
+        )
     assert exit_code(checks) == 0
 
 
@@ -200,10 +205,11 @@ def test_unset_interface_variables_name_the_routed_interface(no_ib: str) -> None
     checks = run_checks(master_addr="127.0.0.1", environ={}, ib_sysfs=no_ib)
     lo = _check(checks, "route to master").detail.split(" through ")[1].split()[0]
     assert _check(checks, "NCCL_SOCKET_IFNAME").detail == (
-        f"unset (init_distributed sets it to ={lo} automatically)"
+        f"unset; init_distributed sets NCCL_SOCKET_IFNAME='={lo}' (exactly {lo}) "
+        "(routes to 127.0.0.1)"
     )
     assert _check(checks, "GLOO_SOCKET_IFNAME").detail == (
-        f"unset (init_distributed sets it to {lo} automatically)"
+        f"unset; init_distributed sets GLOO_SOCKET_IFNAME={lo} (routes to 127.0.0.1)"
     )
 
 
@@ -213,14 +219,16 @@ def test_interface_variable_that_misses_the_route_warns(no_ib: str) -> None:
         pytest.skip("this machine has only a loopback interface")
     env = {"NCCL_SOCKET_IFNAME": "^lo", "GLOO_SOCKET_IFNAME": others[0]}
     checks = run_checks(master_addr="127.0.0.1", environ=env, ib_sysfs=no_ib)
-    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+    for var, wanted in (("NCCL_SOCKET_IFNAME", "=lo"), ("GLOO_SOCKET_IFNAME", "lo")):
         check = _check(checks, var)
         assert check.status == "WARN", check
-        assert "but the master is reached through lo" in check.detail
+        assert f"ddpkit would set {shown(var, wanted)}: routes to 127.0.0.1" in check.detail
+        assert check.fix == f"unset {var} or export {var}={wanted}, unless yours is on purpose"
 
 
-def test_interface_variable_that_selects_the_route_is_ok(no_ib: str) -> None:
-    env = {"NCCL_SOCKET_IFNAME": "=lo", "GLOO_SOCKET_IFNAME": "lo"}
+@pytest.mark.parametrize("nccl", ["=lo", "lo"])  # a plain name is a prefix that takes lo too
+def test_interface_variable_that_selects_the_route_is_ok(nccl: str, no_ib: str) -> None:
+    env = {"NCCL_SOCKET_IFNAME": nccl, "GLOO_SOCKET_IFNAME": "lo"}
     checks = run_checks(master_addr="127.0.0.1", environ=env, ib_sysfs=no_ib)
     assert _check(checks, "NCCL_SOCKET_IFNAME").status == "OK"
     assert _check(checks, "GLOO_SOCKET_IFNAME").status == "OK"
@@ -228,32 +236,59 @@ def test_interface_variable_that_selects_the_route_is_ok(no_ib: str) -> None:
 
 def test_missing_interface_fails(no_ib: str) -> None:
     env = {"NCCL_SOCKET_IFNAME": "nosuchif9"}
-    check = _check(run_checks(environ=env, ib_sysfs=no_ib), "NCCL_SOCKET_IFNAME")
+    checks = run_checks(environ=env, ib_sysfs=no_ib)
+    check = _check(checks, "NCCL_SOCKET_IFNAME")
     assert check.status == "FAIL"
     assert "no interface starting with 'nosuchif9'" in check.detail
-    assert check.fix.startswith("unset NCCL_SOCKET_IFNAME")
+    assert check.fix == "unset NCCL_SOCKET_IFNAME, or correct it"
+    assert [c.name for c in checks].count("network") == 0  # the plan's error, shown once
 
 
 def test_infiniband(tmp_path: Path, no_ib: str) -> None:
-    missing = _check(run_checks(environ={}, ib_sysfs=no_ib), "InfiniBand")
-    assert missing.status == "WARN"
-    assert missing.fix == "export NCCL_IB_DISABLE=1, or let init_distributed set it"
+    unset = _check(run_checks(environ={}, ib_sysfs=no_ib), "NCCL_IB_DISABLE")
+    assert (unset.status, unset.detail) == (
+        "INFO",
+        f"unset; init_distributed sets NCCL_IB_DISABLE=1 (no InfiniBand devices in {no_ib})",
+    )
+    enabled = _check(
+        run_checks(environ={"NCCL_IB_DISABLE": "0"}, ib_sysfs=no_ib), "NCCL_IB_DISABLE"
+    )
+    assert enabled.status == "WARN"
+    assert f"ddpkit would set NCCL_IB_DISABLE=1: no InfiniBand devices in {no_ib}" in enabled.detail
+    assert enabled.fix == (
+        "unset NCCL_IB_DISABLE or export NCCL_IB_DISABLE=1, unless yours is on purpose"
+    )
     disabled = run_checks(environ={"NCCL_IB_DISABLE": "1"}, ib_sysfs=no_ib)
-    assert _check(disabled, "InfiniBand").status == "INFO"
+    assert _check(disabled, "NCCL_IB_DISABLE").status == "OK"
 
     sysfs = tmp_path / "infiniband"
     (sysfs / "mlx5_0").mkdir(parents=True)
-    present = _check(run_checks(environ={}, ib_sysfs=str(sysfs)), "InfiniBand")
-    assert present.status == "INFO"
-    assert present.detail.startswith("mlx5_0 in ")
-    unused = run_checks(environ={"NCCL_IB_DISABLE": "1"}, ib_sysfs=str(sysfs))
-    assert _check(unused, "InfiniBand").status == "WARN"
+    present = run_checks(environ={}, ib_sysfs=str(sysfs))
+    assert _check(present, "InfiniBand").detail == f"devices: mlx5_0 in {sysfs}"
+    assert "NCCL_IB_DISABLE" not in [c.name for c in present]  # NCCL's default: use it
+    unused = _check(run_checks(environ={"NCCL_IB_DISABLE": "1"}, ib_sysfs=str(sysfs)), "network")
+    assert unused.status == "WARN"
+    assert "NCCL will not use the InfiniBand devices" in unused.detail
+    assert "unset it" in unused.detail
+
+
+def test_a_master_name_that_leads_to_loopback_warns(
+    monkeypatch: pytest.MonkeyPatch, no_ib: str
+) -> None:
+    monkeypatch.setattr(network, "route_interface", lambda addr, interfaces: loopback())
+    checks = run_checks(master_addr="gpu-node-1", environ={}, ib_sysfs=no_ib)
+    assert _check(checks, "route to master").status == "OK"
+    warned = _check(checks, "network")
+    assert warned.status == "WARN"
+    assert "gpu-node-1 resolves to a loopback address on this machine" in warned.detail
+    assert "Use this machine's network address" in warned.detail
 
 
 def test_nccl_debug(no_ib: str) -> None:
     loud = _check(run_checks(environ={"NCCL_DEBUG": "LOUD"}, ib_sysfs=no_ib), "NCCL_DEBUG")
     assert loud.status == "FAIL"
-    assert "NCCL_DEBUG='LOUD' is not an NCCL debug level" in loud.detail
+    assert "NCCL_DEBUG='LOUD' in the environment: not an NCCL debug level" in loud.detail
+    assert loud.fix == "unset NCCL_DEBUG, or correct it"
     info = _check(run_checks(environ={"NCCL_DEBUG": "info"}, ib_sysfs=no_ib), "NCCL_DEBUG")
     assert info.status == "OK"
 
@@ -322,6 +357,7 @@ def test_cli_gloo_nccl_syntax_fails(
     line = _line(out, "GLOO_SOCKET_IFNAME")
     assert line.startswith("[FAIL]")
     assert "GLOO_SOCKET_IFNAME='^lo'" in line
+    assert out.count("GLOO_SOCKET_IFNAME='^lo' in the environment") == 1
 
 
 def test_cli_unresolvable_master_fails(free_port: int, capsys: pytest.CaptureFixture[str]) -> None:
@@ -333,6 +369,7 @@ def test_cli_unresolvable_master_fails(free_port: int, capsys: pytest.CaptureFix
     line = _line(out, "route to master")
     assert line.startswith("[FAIL]")
     assert "cannot resolve master address 'no-such-host.invalid'" in line
+    assert out.count("cannot resolve master address") == 1  # the plan's error, once
     assert _line(out, "master port").startswith("[FAIL]")
 
 
@@ -383,17 +420,12 @@ def test_doctor_shows_what_configure_network_applies(
         master_addr="127.0.0.1", master_port=free_port, environ=dict(env), ib_sysfs=no_ib
     )
     applied = configure_network(master_addr="127.0.0.1", environ=dict(env), ib_sysfs=no_ib)
-    where = {
-        "NCCL_SOCKET_IFNAME": "NCCL_SOCKET_IFNAME",
-        "GLOO_SOCKET_IFNAME": "GLOO_SOCKET_IFNAME",
-        "NCCL_IB_DISABLE": "InfiniBand",
-    }
     for name, value in applied.items():
-        line = _check(checks, where[name]).detail
-        assert f"sets it to {value} " in line or f"sets {name}={value}" in line, (name, line)
-    for name, check in where.items():
-        if name not in applied:  # kept from the environment, or nothing to set
-            assert "init_distributed sets" not in _check(checks, check).detail, name
+        line = _check(checks, name).detail
+        assert line.startswith(f"unset; init_distributed sets {shown(name, value)} ("), line
+    for check in checks:
+        if check.name not in applied:  # kept from the environment, or nothing to set
+            assert "init_distributed sets" not in check.detail, check
 
 
 def test_the_recorder_and_what_a_hang_does_are_reported(free_port: int, no_ib: str) -> None:

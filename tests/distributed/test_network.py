@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from net_fixtures import loopback
+from net_fixtures import loopback, own_ipv4
 
 from ddpkit import NetworkConfigError, configure_network, plan_network
+from ddpkit.distributed import network
 from ddpkit.distributed.network import shown
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux interfaces")
@@ -63,7 +64,34 @@ def test_configure_keeps_user_values(no_ib: str, caplog: pytest.LogCaptureFixtur
         out = configure_network(environ=env, master_addr="127.0.0.1", ib_sysfs=no_ib)
     assert out == {}
     assert env == {"NCCL_SOCKET_IFNAME": lo, "GLOO_SOCKET_IFNAME": lo, "NCCL_IB_DISABLE": "0"}
-    assert "kept NCCL_IB_DISABLE=0" in caplog.text
+    assert (
+        "kept NCCL_IB_DISABLE=0 (from the environment; ddpkit would set NCCL_IB_DISABLE=1: "
+        f"no InfiniBand devices in {no_ib})"
+    ) in caplog.text
+    assert "kept NCCL_SOCKET_IFNAME" not in caplog.text  # a prefix that takes the route
+
+
+def test_a_kept_interface_is_judged_by_the_interface_it_takes(no_ib: str) -> None:
+    lo = loopback()
+    for value, wanted in ((lo, None), ("=" + lo, None), ("^" + lo, "=" + lo)):
+        env = {"NCCL_SOCKET_IFNAME": value}
+        setting = plan_network(master_addr="127.0.0.1", environ=env, ib_sysfs=no_ib).setting(
+            "NCCL_SOCKET_IFNAME"
+        )
+        assert setting is not None
+        assert (setting.action, setting.wanted, setting.problem) == ("keep", wanted, None), value
+
+
+def test_a_kept_value_that_cannot_work_is_judged_whatever_it_takes(no_ib: str) -> None:
+    own = own_ipv4()
+    if own is None:
+        pytest.skip("this machine has no IPv4 address besides the loopback")
+    iface, addr = own  # Gloo's '^lo' would take iface, but Gloo cannot read it
+    plan = plan_network(master_addr=addr, environ={"GLOO_SOCKET_IFNAME": "^lo"}, ib_sysfs=no_ib)
+    setting = plan.setting("GLOO_SOCKET_IFNAME")
+    assert setting is not None
+    assert setting.problem is not None
+    assert setting.wanted == iface
 
 
 def test_configure_force_overwrites(no_ib: str) -> None:
@@ -122,6 +150,11 @@ def test_configure_ib(tmp_path: Path) -> None:
     }
     (tmp_path / "mlx5_0").mkdir()
     assert configure_network(environ={}, socket_ifname=None, ib_sysfs=str(tmp_path)) == {}
+    off = plan_network(environ={"NCCL_IB_DISABLE": "1"}, socket_ifname=None, ib_sysfs=str(tmp_path))
+    assert off.warnings == (
+        f"NCCL_IB_DISABLE=1 in the environment, so NCCL will not use the InfiniBand devices in "
+        f"{tmp_path} (mlx5_0): unset it, unless that is on purpose",
+    )
     assert configure_network(environ={}, socket_ifname=None, ib=True) == {"NCCL_IB_DISABLE": "0"}
     assert configure_network(environ={}, socket_ifname=None, ib=False) == {"NCCL_IB_DISABLE": "1"}
 
@@ -229,3 +262,9 @@ def test_apply_logs_once_per_node_and_no_nccl_for_gloo(
         assert info == [f"network: set GLOO_SOCKET_IFNAME={loopback()} (routes to 127.0.0.1)"]
     else:
         assert any("NCCL_IB_DISABLE=1" in line for line in info)
+
+
+def test_no_interface_is_a_warning(monkeypatch: pytest.MonkeyPatch, no_ib: str) -> None:
+    monkeypatch.setattr(network, "list_interfaces", dict)
+    plan = plan_network(environ={}, ib_sysfs=no_ib)
+    assert plan.warnings == ("no network interface found here: run on Linux with a network",)
