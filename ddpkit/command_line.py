@@ -2,8 +2,9 @@
 
 :meth:`CommandLine.define` puts a table of flags (each its names and
 ``add_argument``'s keywords) on an argparse parser; :meth:`CommandLine.parse`
-reads ``argv`` over a ``--config`` YAML or TOML file over the defaults, the file's
-values made the parser's defaults (``set_defaults``, as timm's ``train.py`` does).
+reads ``argv`` over a ``--config`` YAML or TOML file over the defaults: the file's
+values stand in for the defaults (as ``set_defaults`` in timm's ``train.py``), and
+the parser itself is never changed, so parsing twice gives two independent answers.
 A key is a flag's long name without the dashes (``batch_size`` or ``batch-size``);
 its value goes through the flag's own parsing, as its text on the command line
 would (``milestones: 5`` is ``--milestones 5``); ``null`` keeps a default of None.
@@ -15,10 +16,13 @@ argparse keeps its list of flags private, so the table is kept beside the parser
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
+import itertools
 import math
 import os
 import re
+import reprlib
 import stat
 import sys
 from collections.abc import Mapping, Sequence
@@ -98,7 +102,16 @@ class CommandLine:
         actions: list[argparse.Action] = []
         groups: dict[str, tuple[Any, list[str]]] = {}  # one_of: (argparse's group, its flags)
         for names, given in flags:
-            options = {k: v for k, v in given.items() if k != "one_of"}
+            if given.get("required") or not all(n.startswith("-") for n in names):
+                raise ValueError(
+                    f"CommandLine: {' '.join(names)} is a positional or required argument, which a "
+                    "--config file cannot give: make it an option and check it after parse()"
+                )
+            options = copy.deepcopy({k: v for k, v in given.items() if k != "one_of"})
+            default, help_ = options.get("default"), options.get("help")
+            if default is not None and default is not False and help_ is not argparse.SUPPRESS:
+                shown = "(default: %(default)s)"  # --help says each default, after the text
+                options["help"] = f"{options['help']} {shown}" if options.get("help") else shown
             group = given.get("one_of")
             if group is not None and group not in groups:
                 groups[group] = (parser.add_mutually_exclusive_group(), [])
@@ -118,23 +131,30 @@ class CommandLine:
         it excludes (``--lr`` over the file's ``lr_base``); a file setting two
         such flags is refused. Errors end the program with exit status 2.
         """
-        first = argparse.ArgumentParser(add_help=False)
-        first.add_argument("--config")
-        path = first.parse_known_args(argv)[0].config
-        builtin = {a.dest: a.default for a in self.actions}
-        sources = _apply(self, path) if path is not None else {}
-        args = self.parser.parse_args(argv)
-        given = set(vars(self.bare.parse_known_args(argv)[0]))  # no defaults: what argv sets
+        config = any("--config" in a.option_strings for a in self.actions)
+        try:  # what argv sets, without defaults (a bad value: the parser's own error, below)
+            given = vars(self.bare.parse_known_args(argv)[0])
+        except argparse.ArgumentError:
+            self.parser.parse_args(argv)
+            raise
+        path = given.get("config") if config else None
+        values = _apply(self, path) if path is not None else {}
+        # The file's values go in as if given, so the parser itself is never changed.
+        args = self.parser.parse_args(argv, namespace=argparse.Namespace(**values))
+        for action in self.actions:  # a list default is the parser's own: each run its copy
+            if isinstance(action.default, list) and getattr(args, action.dest) is action.default:
+                setattr(args, action.dest, list(action.default))
+        sources = dict.fromkeys(values, "config")
         switches = {a.dest for a in self.actions if a.nargs == 0}
         for dests in self.exclusive:  # a switch the file leaves off excludes nothing
             from_file = {
                 d
-                for d in set(dests) & set(sources)
-                if d not in switches or self.parser.get_default(d) != builtin[d]
+                for d in set(dests) & set(values)
+                if d not in switches or values[d] != self.parser.get_default(d)
             }
-            if given & set(dests):
-                for dest in from_file - given:
-                    setattr(args, dest, builtin[dest])
+            if set(given) & set(dests):
+                for dest in from_file - set(given):
+                    setattr(args, dest, self.parser.get_default(dest))
                     del sources[dest]
             elif len(from_file) > 1:
                 both = " and ".join(f"--{d.replace('_', '-')}" for d in sorted(from_file))
@@ -185,16 +205,11 @@ def load_config(path: str) -> dict[str, Any]:
         raise ValueError(f"{path}: a config file ends in .yaml, .yml or .toml, not {kind!r}")
     link = f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else ""
     try:
-        info = os.stat(path)
-        if stat.S_ISDIR(info.st_mode):
-            raise ValueError(f"{path}{link}: is a directory; name the .yaml or .toml file in it")
-        if not stat.S_ISREG(info.st_mode):
-            what = next((k for test, k in _SPECIAL if test(info.st_mode)), "special file")
-            raise ValueError(
-                f"{path}{link}: is a {what}, not a regular file; write the flags to a file and "
-                "pass that"
-            )
-        with open(path, "rb") as file:
+        info = _regular(path, os.stat(path), link)
+        # O_NONBLOCK: a FIFO put in the file's place since the look above does not wait.
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        with os.fdopen(os.open(path, flags), "rb") as file:
+            info = _regular(path, os.fstat(file.fileno()), link)
             data = file.read(MAX_BYTES + 1)
     except FileNotFoundError:
         what = f"is a link to {os.readlink(path)!r}, which does not exist" if link else "not found"
@@ -237,9 +252,22 @@ def load_config(path: str) -> dict[str, Any]:
     return table
 
 
+def _regular(path: str, info: os.stat_result, link: str) -> os.stat_result:
+    """``info`` if it is a regular file's, else a ``ValueError`` naming what it is."""
+    if stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"{path}{link}: is a directory; name the .yaml or .toml file in it")
+    if not stat.S_ISREG(info.st_mode):
+        what = next((k for test, k in _SPECIAL if test(info.st_mode)), "special file")
+        raise ValueError(
+            f"{path}{link}: is a {what}, not a regular file; write the flags to a file and "
+            "pass that"
+        )
+    return info
+
+
 def _yaml(text: str) -> Any:
-    """YAML through PyYAML's safe loader (no objects), less YAML 1.1's base-60 numbers:
-    ``profile_steps: 10:20`` stays the text ``"10:20"``, not 620."""
+    """YAML through PyYAML's safe loader (no objects), less YAML 1.1's base-60 and octal
+    numbers: ``profile_steps: 10:20`` stays the text ``"10:20"``, not 620."""
     import yaml  # type: ignore[import-untyped]
 
     class Loader(yaml.SafeLoader):  # type: ignore[misc]
@@ -254,10 +282,10 @@ def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=Loader)
 
 
-# PyYAML's int and float patterns without their base-60 branches.
+# PyYAML's int and float patterns without their base-60, octal, hex and binary branches: a
+# number is read as the command line reads its text.
 _NUMBERS = {
-    "tag:yaml.org,2002:int": r"""^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)
-        |[-+]?0x[0-9a-fA-F_]+)$""",
+    "tag:yaml.org,2002:int": r"^[-+]?(?:0|[1-9][0-9_]*)$",  # 0017 stays text, as argv's 0017
     "tag:yaml.org,2002:float": r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
         |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""",
 }
@@ -269,8 +297,8 @@ _SPECIAL = (
 )
 
 
-def _apply(flags: CommandLine, path: str) -> dict[str, str]:
-    """Make the file's values ``flags.parser``'s defaults; return the destinations it set."""
+def _apply(flags: CommandLine, path: str) -> dict[str, Any]:
+    """The file's values, by destination, each parsed as its flag's text would be."""
     parser, actions = flags.parser, _file_actions(flags.actions)
     try:
         table = load_config(path)
@@ -307,8 +335,7 @@ def _apply(flags: CommandLine, path: str) -> dict[str, str]:
             values[action.dest] = _value(flags.bare, action, value)
         except _Refused as exc:
             _refuse(parser, f"{where}: {_shown(value)}: {exc}")
-    parser.set_defaults(**values)
-    return dict.fromkeys(values, "config")
+    return values
 
 
 class _Refused(Exception):
@@ -326,20 +353,26 @@ def _file_actions(actions: Sequence[argparse.Action]) -> dict[str, argparse.Acti
 
 def _value(bare: argparse.ArgumentParser, action: argparse.Action, value: Any) -> Any:
     """``value`` as ``action``'s flag parses it from the command line, or :class:`_Refused`."""
-    flag, takes = "/".join(action.option_strings), _what(action)
-    if action.nargs == 0 or (isinstance(value, bool) and action.nargs == "?"):
+    flag = "/".join(action.option_strings)
+    if action.nargs == 0:  # a switch: store_true and store_false take the value as it is
         if not isinstance(value, bool):
             raise _Refused(f"{flag} is a switch: true or false")
+        if isinstance(action.const, bool):
+            return value
+        return _act(bare, action, []) if value else action.default
+    if isinstance(value, bool) and action.nargs == "?":  # --resume alone, or not
         if not value and action.default not in (False, None):
-            raise _Refused(f"{flag} takes {takes}")
+            raise _Refused(f"{flag} takes {_what(action)}")
         return _act(bare, action, []) if value else action.default
     if isinstance(value, Mapping):
-        raise _Refused(f"{flag} takes {takes}, not a table")
+        raise _Refused(f"{flag} takes {_what(action)}, not a table")
     if isinstance(value, list | tuple) and action.nargs in (None, "?"):
-        raise _Refused(f"{flag} takes one value ({takes}), not a list")
-    tokens = [_token(flag, takes, v) for v in (value if isinstance(value, list) else [value])]
+        raise _Refused(f"{flag} takes one value ({_what(action)}), not a list")
+    tokens = [_token(action, v) for v in (value if isinstance(value, list) else [value])]
     if action.nargs == "+" and not tokens:
         raise _Refused(f"{flag} takes at least one value")
+    if isinstance(action.nargs, int) and len(tokens) != action.nargs:
+        raise _Refused(f"{flag} takes {action.nargs} values, got {len(tokens)}")
     return _act(bare, action, tokens)
 
 
@@ -348,9 +381,11 @@ def _act(bare: argparse.ArgumentParser, action: argparse.Action, tokens: list[st
     flag = action.option_strings[-1]
     # --flag=TEXT: a value that starts with a dash stays a value. A list's items go one
     # by one first, so a bad one is named as the flag names it, then the list as a whole.
-    lines = [[f"{flag}={token}"] for token in tokens]
-    if action.nargs in ("*", "+") or not tokens:
-        lines.append([flag, *tokens])
+    if len(tokens) == 1 and action.nargs in (None, "?"):
+        lines = [[f"{flag}={tokens[0]}"]]
+    else:
+        each = [[f"{flag}={token}"] for token in tokens] if action.nargs in ("*", "+") else []
+        lines = [*each, [flag, *tokens]]
     for line in lines:
         try:
             parsed, rest = bare.parse_known_args(line)
@@ -362,20 +397,22 @@ def _act(bare: argparse.ArgumentParser, action: argparse.Action, tokens: list[st
     return getattr(parsed, action.dest)
 
 
-def _token(flag: str, takes: str, item: Any) -> str:
+def _token(action: argparse.Action, item: Any) -> str:
     """The command-line text of one config value: text as it is, a number as it is written."""
+    flag = "/".join(action.option_strings)
     if isinstance(item, bool):
-        raise _Refused(f"{flag} takes {takes}, not true or false (quote text)")
+        raise _Refused(f"{flag} takes {_what(action)}, not true or false (quote text)")
     if isinstance(item, str | int | float):
         return item if isinstance(item, str) else repr(item)
     kind = "a table" if isinstance(item, Mapping) else f"a {type(item).__name__}"
-    raise _Refused(f"{flag} takes {takes}, not {kind} (quote text)")
+    raise _Refused(f"{flag} takes {_what(action)}, not {kind} (quote text)")
 
 
 def _what(action: argparse.Action) -> str:
     """What the flag takes, in its help's words: ``N``, ``one of step, cosine``, ``a value``."""
-    if action.choices is not None:
-        return "one of " + ", ".join(map(str, action.choices))
+    if action.choices is not None:  # at most ten of them: choices may be a long range
+        shown = [str(c) for c in itertools.islice(action.choices, 11)]
+        return "one of " + ", ".join(shown[:10]) + (", ..." if len(shown) > 10 else "")
     return action.metavar if isinstance(action.metavar, str) else "a value"
 
 
@@ -386,9 +423,13 @@ def _refuse(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     parser.exit(2, f"{parser.prog}: error: {line[:397] + '...' if len(line) > 400 else line}\n")
 
 
-def _shown(value: object, width: int = 60) -> str:
-    """``value`` as the file writes it (``true``, ``null``), cut to ``width``."""
+def _shown(value: object) -> str:
+    """``value`` as the file writes it (``true``, ``null``), cut short (so never expanded whole:
+    a few bytes of YAML anchors can stand for a list of billions)."""
     if value is None or isinstance(value, bool):
         return "null" if value is None else str(value).lower()
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
+    return _SHORT.repr(value)
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 6, 6, 60, 60

@@ -129,3 +129,54 @@ def test_a_number_flag_refuses_what_is_out_of_its_range(
     with pytest.raises(argparse.ArgumentTypeError, match=said):
         parse(text)
     assert parse("1") == kind(1)
+
+
+def test_parsing_twice_gives_two_independent_answers(tmp_path: Path) -> None:
+    line = CommandLine.define(_FLAGS)
+    (tmp_path / "a.yaml").write_text("rate: 2\nnames: [q]\n")
+    (tmp_path / "b.yaml").write_text("steps: 3\n")
+    first = line.parse(["--config", str(tmp_path / "a.yaml")])
+    first.names.append("changed")  # a list an answer holds is its own
+    second = line.parse(["--config", str(tmp_path / "b.yaml")])
+    assert (second.rate, second.steps, second.names) == (0.5, 3, ["a"])
+    plain = line.parse([])
+    assert CommandLine.resolved(plain)["rate"] == {"value": 0.5, "source": "default"}
+    assert [a.default for a in line.actions][1:3] == [10, ["a"]]  # the parser is untouched
+
+
+def test_what_a_file_cannot_give_is_refused_when_the_table_is_made() -> None:
+    for row in [(("--data",), {"required": True}), (("input",), {})]:
+        with pytest.raises(ValueError, match="positional or required argument"):
+            CommandLine.define([*_FLAGS, row])
+
+
+def test_odd_flags_take_a_file_s_value_as_their_text(tmp_path: Path) -> None:
+    table = [
+        *_FLAGS,
+        (("--pair",), {"nargs": 2, "type": int}),
+        (("--no-cuda",), {"action": "store_false", "dest": "cuda"}),
+        (("--port",), {"type": int, "choices": range(10**9), "metavar": "PORT"}),
+    ]
+    (tmp_path / "c.yaml").write_text("pair: [1, 2]\ncuda: false\nport: 8080\nsteps: 0017\n")
+    args = CommandLine.define(table).parse(["--config", str(tmp_path / "c.yaml")])
+    assert (args.pair, args.cuda, args.port, args.steps) == ([1, 2], False, 8080, 17)
+
+
+def test_a_value_of_a_billion_items_is_refused_without_being_written_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nested = "[&a0 [1,1,1,1,1,1,1,1,1]" + "".join(
+        f", &a{i} [{','.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)
+    )
+    (tmp_path / "c.yaml").write_text(f"names: {nested}]\n")  # 9**9 items once expanded
+    with pytest.raises(SystemExit):
+        _parse(["--config", str(tmp_path / "c.yaml")])
+    err = capsys.readouterr().err
+    assert "key 'names'" in err
+    assert len(err) < 500
+
+
+def test_help_says_each_default() -> None:
+    shown = " ".join(CommandLine.define(_FLAGS).parser.format_help().split())
+    assert "-n STEPS, --steps STEPS (default: 10)" in shown
+    assert "--out OUT where it goes" in shown  # no default: nothing added

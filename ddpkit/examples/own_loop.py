@@ -113,7 +113,7 @@ FLAGS = (
     _f("--image-size", type=INT1, default=224, metavar="PIXELS"),
     _f("-b", "--batch-size", type=INT1, default=256, metavar="GLOBAL_BATCH", help="(below)"),
     _f("--epochs", type=INT1, default=90, metavar="N"),
-    _f("--lr", type=_number(float, 0, strict=True), default=0.1, help="(0.1)"),
+    _f("--lr", type=_number(float, 0, strict=True), default=0.1),
     _f("--milestones", type=_number(int, 0, strict=True), nargs="*", default=[30, 60, 80]),
     _f("--seed", type=_number(int, 0), default=0),
     _f("--amp", choices=["bf16", "fp16"], help="mixed precision (bf16 on CPUs)"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import re
 import shutil
 import sys
@@ -133,7 +134,7 @@ def train(
     run_config = ddpkit.CommandLine.resolved(args)
     # A restarted process (torchrun --max-restarts, --max-restarts) continues the run.
     resume = args.resume or info.restart_count > 0
-    if resume:
+    if resume is True:  # a named file may be of another run: its rates are its own
         warn_changed_settings(checkpoints, run_config)
     history = ddpkit.fit(
         model,
@@ -306,10 +307,11 @@ SAMPLE_FLAGS = (
 
 def record(args: argparse.Namespace, num_classes: int, flags: Sequence[str]) -> dict[str, Any]:
     """``{"--num-classes": num_classes, "--arch": ..., ...}``: the values of ``flags``."""
-    return {
-        "--num-classes": num_classes,
-        **{f"--{f.replace('_', '-')}": getattr(args, f) for f in flags},
-    }
+    values = {f: getattr(args, f) for f in flags}
+    if "data" in values:  # the same directory however it is written
+        values["data"] = os.path.realpath(values["data"])
+    named = {f"--{f.replace('_', '-')}": "none" if v is None else v for f, v in values.items()}
+    return {"--num-classes": num_classes, **named}
 
 
 def load_weights(model: nn.Module, path: str, flag: str, record: dict[str, Any] | None) -> None:
@@ -365,7 +367,9 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     first = argparse.Namespace(**{**vars(args), **settings, "sources": sources})
     run(first, schedule_epochs=first.epochs + 1)  # the schedule spans both jobs: 7 of its 8
     # A second job continues from latest.pth for one more epoch: resume works.
-    record = run(argparse.Namespace(**{**vars(first), "epochs": first.epochs + 1, "resume": True}))
+    sources = {**first.sources, "resume": "demo"}
+    second = {**vars(first), "epochs": first.epochs + 1, "resume": True, "sources": sources}
+    record = run(argparse.Namespace(**second))
     seconds, where = time.perf_counter() - start, f"{gpus} GPU" if gpus else "2 CPU"
     ema = f" (EMA {record['val_ema_acc1']:.2f}%)" if "val_ema_acc1" in record else ""
     print(

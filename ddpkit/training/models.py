@@ -108,6 +108,14 @@ def load_pretrained(
         saved = raw.get("extra")
         if not isinstance(saved, dict):  # a weight file: its run's record lies beside it
             saved = extra_of(Path(path).parent / "latest.pth")
+        unchecked = [k for k in expected_extra if k not in (saved or {})]
+        if unchecked:
+            logger.warning(
+                "load_pretrained: %s has no record of %s (no readable checkpoint of its run "
+                "beside it): not compared",
+                path,
+                ", ".join(unchecked),
+            )
         check_extra(str(path), saved or {}, expected_extra)
     state = _state_dict_of(raw, path)
     own = model.state_dict()
