@@ -223,18 +223,18 @@ def evaluate_only(
 
 
 def load_for_evaluation(
-    args: argparse.Namespace, model: nn.Module, record: dict[str, Any] | None = None
+    args: argparse.Namespace, model: nn.Module, expected: dict[str, Any] | None = None
 ) -> str:
     """Load what ``--evaluate`` measures into ``model`` and say where it came from: ``--resume
     PATH``, else the newest checkpoint any node holds, else ``--pretrained``. One trained with
-    another ``record`` is refused before loading. All ranks must call this, or it deadlocks."""
+    other ``expected`` values is refused before loading. All ranks must call this."""
     if isinstance(args.resume, str):
-        load_weights(model, args.resume, "--resume", record)
+        load_weights(model, args.resume, "--resume", expected)
         return args.resume
     checkpoints = ddpkit.CheckpointManager(
         args.checkpoints,
         prefix=weights_prefix(args),
-        extra=record,
+        extra=expected,
         state=ddpkit.TrainingState(model),
     )
     with warnings.catch_warnings():  # evaluation draws no random numbers
@@ -314,12 +314,12 @@ def record(args: argparse.Namespace, num_classes: int, flags: Sequence[str]) -> 
     return {"--num-classes": num_classes, **named}
 
 
-def load_weights(model: nn.Module, path: str, flag: str, record: dict[str, Any] | None) -> None:
+def load_weights(model: nn.Module, path: str, flag: str, expected: dict[str, Any] | None) -> None:
     """Load the whole of ``path`` into ``model`` on every rank, refused before loading if its run
-    recorded another ``record``; a failure on one rank reaches all. All ranks must call this."""
+    recorded other ``expected`` values; a failure on one reaches all. All ranks must call this."""
     error = None
     try:
-        if ddpkit.load_pretrained(model, path, strict=True, expected_extra=record).skipped:
+        if ddpkit.load_pretrained(model, path, strict=True, expected_extra=expected).skipped:
             error = f"{path} has another head than the model: pass its --num-classes"
     except (OSError, ValueError, ddpkit.CheckpointError) as exc:
         error = f"{type(exc).__name__}: {exc}"
