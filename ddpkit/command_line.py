@@ -139,8 +139,10 @@ class CommandLine:
             raise
         path = given.get("config") if config else None
         values = _apply(self, path) if path is not None else {}
-        # The file's values go in as if given, so the parser itself is never changed.
-        args = self.parser.parse_args(argv, namespace=argparse.Namespace(**values))
+        # The file's values go in as if given (those argv gives are argv's alone: an append
+        # flag starts again), so the parser itself is never changed.
+        ahead = {dest: value for dest, value in values.items() if dest not in given}
+        args = self.parser.parse_args(argv, namespace=argparse.Namespace(**ahead))
         for action in self.actions:  # a list default is the parser's own: each run its copy
             if isinstance(action.default, list) and getattr(args, action.dest) is action.default:
                 setattr(args, action.dest, list(action.default))

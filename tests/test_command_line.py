@@ -156,10 +156,13 @@ def test_odd_flags_take_a_file_s_value_as_their_text(tmp_path: Path) -> None:
         (("--pair",), {"nargs": 2, "type": int}),
         (("--no-cuda",), {"action": "store_false", "dest": "cuda"}),
         (("--port",), {"type": int, "choices": range(10**9), "metavar": "PORT"}),
+        (("--tag",), {"action": "append"}),
     ]
-    (tmp_path / "c.yaml").write_text("pair: [1, 2]\ncuda: false\nport: 8080\nsteps: 0017\n")
+    (tmp_path / "c.yaml").write_text("pair: [1, 2]\ncuda: false\nport: 8080\nsteps: 0017\ntag: a\n")
     args = CommandLine.define(table).parse(["--config", str(tmp_path / "c.yaml")])
     assert (args.pair, args.cuda, args.port, args.steps) == ([1, 2], False, 8080, 17)
+    again = CommandLine.define(table).parse(["--config", str(tmp_path / "c.yaml"), "--tag", "b"])
+    assert (args.tag, again.tag) == (["a"], ["b"])  # the command line's list, not appended
 
 
 def test_a_value_of_a_billion_items_is_refused_without_being_written_out(
