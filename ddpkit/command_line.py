@@ -123,14 +123,16 @@ class CommandLine:
         exclusive = tuple(tuple(dests) for _, dests in groups.values())
         return cls(parser=parser, actions=tuple(actions), exclusive=exclusive, bare=bare)
 
-    def parse(self, argv: Sequence[str]) -> argparse.Namespace:
-        """``argv`` over ``--config FILE`` over the defaults; ``args.sources`` says which set each.
+    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+        """``argv`` (default: ``sys.argv[1:]``) over ``--config FILE`` over the defaults;
+        ``args.sources`` says which set each.
 
         ``sources`` maps each flag the file or ``argv`` set to ``"config"`` or
         ``"command line"``. A flag ``argv`` gives drops the file's value of a flag
         it excludes (``--lr`` over the file's ``lr_base``); a file setting two
         such flags is refused. Errors end the program with exit status 2.
         """
+        argv = list(sys.argv[1:] if argv is None else argv)
         config = any("--config" in a.option_strings for a in self.actions)
         try:  # what argv sets, without defaults (a bad value: the parser's own error, below)
             given = vars(self.bare.parse_known_args(argv)[0])

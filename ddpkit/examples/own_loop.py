@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -137,7 +136,7 @@ this machine (CPU, or one per GPU); under torchrun or SLURM, the launcher's are 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The flags of ``argv`` (default ``sys.argv[1:]``) over ``--config FILE``, checked."""
     line = ddpkit.CommandLine.define(FLAGS, __doc__.split("\n")[0], NOTES)
-    args = line.parse(list(sys.argv[1:] if argv is None else argv))
+    args = line.parse(argv)
     if args.data is None:
         line.parser.error("--data DIR is required")
     if not args.model_ema_decay < 1:

@@ -7,7 +7,6 @@ A wrong value is argparse's ``error:`` line and exit status 2, before anything i
 from __future__ import annotations
 
 import argparse
-import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -162,7 +161,7 @@ def parse_args(
     a combination the example cannot train with ends the program: exit status 2.
     """
     flags = ddpkit.CommandLine.define(FLAGS, description, NOTES)
-    args = flags.parse(list(sys.argv[1:] if argv is None else argv))
+    args = flags.parse(argv)
     _check(flags.parser, args)
     return args
 

@@ -66,6 +66,29 @@ def test_ddpkit_checkpoint_and_state_dict_entries(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_expected_extra_refuses_another_run_s_weights_before_loading(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = nn.Linear(4, 2)
+    run = {"--arch": "mlp", "--image-size": 32}
+    save_checkpoint({"model": source.state_dict(), "extra": run}, tmp_path / "latest.pth")
+    torch.save(source.state_dict(), tmp_path / "best.pth")  # a weight file: its run's beside it
+    for name in ("latest.pth", "best.pth"):
+        target = nn.Linear(4, 2)
+        before = target.weight.clone()
+        with pytest.raises(CheckpointError, match=r"trained with --image-size 32; this run has "):
+            load_pretrained(target, tmp_path / name, expected_extra={**run, "--image-size": 64})
+        assert torch.equal(target.weight, before)  # refused before loading
+        load_pretrained(target, tmp_path / name, expected_extra=run)
+        assert torch.equal(target.weight, source.weight)
+    (tmp_path / "alone").mkdir()
+    torch.save(source.state_dict(), tmp_path / "alone" / "best.pth")  # no record anywhere
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        load_pretrained(nn.Linear(4, 2), tmp_path / "alone" / "best.pth", expected_extra=run)
+    assert "has no record of --arch, --image-size" in caplog.text
+
+
+@pytest.mark.timeout(60)
 def test_missing_tensors_keep_their_initialisation_unless_strict(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
