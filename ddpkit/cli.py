@@ -72,6 +72,12 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=3.0,
         help="seconds to wait for a TCP connection to the master (default: 3)",
     )
+    doctor.add_argument(
+        "--checkpoints",
+        metavar="DIR|URL",
+        help="check the checkpoint directory or store (s3://bucket/prefix): reachable with "
+        "these credentials, writable, and what run it holds",
+    )
     doctor.set_defaults(func=_run_doctor, command_parser=doctor)
 
 
@@ -84,6 +90,11 @@ def _run_doctor(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         connect_timeout=args.timeout,
     )
+    if args.checkpoints is not None:
+        from ddpkit.checkpoint.store import check_location
+
+        status, detail, fix = check_location(args.checkpoints)
+        checks.append(doctor.Check("checkpoints", status, detail, fix))
     print(doctor.format_report(checks))
     return doctor.exit_code(checks)
 

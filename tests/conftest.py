@@ -38,6 +38,7 @@ _SERIAL = (
     "adversarial/test_bad_jobs.py",
     "adversarial/test_bad_trackers.py",
     "checkpoint/test_manager.py",
+    "checkpoint/test_store.py",
     "checkpoint/test_sync.py",
     "checkpoint/test_transfer.py",
     "data/test_lmdb_dataset.py",

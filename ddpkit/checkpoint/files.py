@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,13 +44,18 @@ __all__ = [
     "Found",
     "averaged",
     "check_position",
+    "checkpoint_name",
     "describe_run",
+    "is_run_file",
     "newest_first",
     "prune_steps",
     "read_header",
     "run_files",
     "scan",
+    "stale_steps",
+    "stale_weights",
     "step_name",
+    "weight_name",
     "write_files",
 ]
 
@@ -71,6 +76,25 @@ _KIND_ORDER = {"step": 0, "interrupted": 1, "epoch": 2}
 def step_name(step: int) -> str:
     """The file name of the step checkpoint taken after optimizer step ``step``."""
     return f"step-{step:09d}.pth"
+
+
+def checkpoint_name(kind: str, step: int) -> str:
+    """The file a checkpoint of ``kind`` taken after optimizer step ``step`` goes to."""
+    return LATEST if kind == "epoch" else INTERRUPTED if kind == "interrupted" else step_name(step)
+
+
+def weight_name(prefix: str, epoch: int, acc1: float | None) -> str:
+    """The weight file of epoch ``epoch`` (from 0; named from 1), by its ``acc1`` when measured."""
+    return f"{prefix}-epoch{epoch + 1}{'' if acc1 is None else f'-acc{acc1:.2f}'}.pth"
+
+
+def is_run_file(name: str) -> bool:
+    """Whether a training run writes files named ``name`` (:func:`run_files`' rule)."""
+    return "/" not in name and bool(
+        name in (LATEST, PREVIOUS, INTERRUPTED, BEST)
+        or _STEP_FILE.fullmatch(name)
+        or _WEIGHT_FILE.fullmatch(name)
+    )
 
 
 @dataclass(frozen=True)
@@ -204,13 +228,7 @@ def run_files(directory: Path) -> list[str]:
     """
     if not directory.is_dir():
         return []
-    names = {LATEST, PREVIOUS, INTERRUPTED, BEST}
-    return sorted(
-        p.name
-        for p in directory.iterdir()
-        if p.is_file()
-        and (p.name in names or _STEP_FILE.fullmatch(p.name) or _WEIGHT_FILE.fullmatch(p.name))
-    )
+    return sorted(p.name for p in directory.iterdir() if p.is_file() and is_run_file(p.name))
 
 
 def describe_run(directory: Path, files: list[str]) -> str:
@@ -279,13 +297,7 @@ def write_files(
     directory.mkdir(parents=True, exist_ok=True)
     kind, position = clean["kind"], clean["position"]
     full = functools.partial(write_file, clean)
-    path = directory / (
-        LATEST
-        if kind == "epoch"
-        else INTERRUPTED
-        if kind == "interrupted"
-        else step_name(position["step"])
-    )
+    path = directory / checkpoint_name(kind, position["step"])
     # Two writers (on_each_node) that share the directory write the same bytes:
     # the second finds the first's file and leaves it, and everything else here
     # tolerates the other having done it first.
@@ -293,9 +305,8 @@ def write_files(
         return path
     if kind == "epoch":
         epoch = clean["epoch"]
-        # Files and reports count epochs from 1: "epoch 1" is the first.
-        acc1 = clean["acc1"]  # None without validation: the file is named by its epoch alone
-        name = f"{prefix}-epoch{epoch + 1}{'' if acc1 is None else f'-acc{acc1:.2f}'}.pth"
+        # Files and reports count epochs from 1; without validation, named by the epoch alone.
+        name = weight_name(prefix, epoch, clean["acc1"])
         epoch_path = directory / name
         weights = clean["model"] if clean.get("weights") != "ema" else averaged(clean["ema"])
         save_checkpoint(weights, epoch_path)
@@ -328,18 +339,37 @@ def _prune_weights(
     directory: Path, prefix: str, keep_last: int, epoch: int, current: str, best_epoch: int | None
 ) -> None:
     """Keep the weight files of the last ``keep_last`` epochs and the best (numbers from 1)."""
+    names = [path.name for path in directory.iterdir()]
+    for name in stale_weights(names, prefix, keep_last, epoch, current, best_epoch):
+        (directory / name).unlink(missing_ok=True)
+
+
+def stale_weights(
+    names: Iterable[str],
+    prefix: str,
+    keep_last: int,
+    epoch: int,
+    current: str,
+    best_epoch: int | None,
+) -> list[str]:
+    """The weight files among ``names`` that a save of epoch ``epoch`` (from 1) removes.
+
+    Kept: the last ``keep_last`` epochs' (``current`` is this epoch's) and the best epoch's.
+    """
     pattern = re.compile(rf"{re.escape(prefix)}-epoch(\d+)(?:-acc.*)?\.pth")
     found = []
-    for path in directory.iterdir():
-        match = pattern.fullmatch(path.name)
+    for name in names:
+        match = pattern.fullmatch(name)
         if match and int(match.group(1)) <= epoch:
-            found.append((int(match.group(1)), path))
+            found.append((int(match.group(1)), name))
     keep = sorted({n for n, _ in found if n < epoch}, reverse=True)[: keep_last - 1]
-    for number, path in found:
-        # Another file of this epoch comes from a run that resumed before it.
-        old = number != epoch and number not in keep and number != best_epoch
-        if old or (number == epoch and path.name != current):
-            path.unlink(missing_ok=True)
+    # Another file of this epoch comes from a run that resumed before it.
+    return [
+        name
+        for number, name in found
+        if (number != epoch and number not in keep and number != best_epoch)
+        or (number == epoch and name != current)
+    ]
 
 
 def prune_steps(directory: Path, keep: int, generation: int, newest_step: int) -> None:
@@ -348,19 +378,9 @@ def prune_steps(directory: Path, keep: int, generation: int, newest_step: int) -
     Also removes ``interrupted.pth`` once a checkpoint of a later step exists,
     and temporaries of dead processes.
     """
-    steps: list[tuple[int, Path]] = []
-    for path in directory.iterdir():
-        match = _STEP_FILE.fullmatch(path.name)
-        if match:
-            steps.append((int(match.group(1)), path))
-    steps.sort(reverse=True)
-    kept = 0
-    for _, path in steps:
-        # Only this run's files count towards keep: another generation's go regardless.
-        if kept < keep and _generation(path) == generation:
-            kept += 1
-        else:
-            path.unlink(missing_ok=True)
+    steps = {p.name: _generation(p) for p in directory.iterdir() if _STEP_FILE.fullmatch(p.name)}
+    for name in stale_steps(steps, keep, generation):
+        (directory / name).unlink(missing_ok=True)
     interrupted = directory / INTERRUPTED
     if interrupted.exists():
         try:
@@ -374,6 +394,16 @@ def prune_steps(directory: Path, keep: int, generation: int, newest_step: int) -
     for path in directory.iterdir():
         if _STEP_TEMP.match(path.name):
             remove_stale(directory / path.name[1:].split(".tmp-")[0], hidden=True)
+
+
+def stale_steps(steps: Mapping[str, int | None], keep: int, generation: int) -> list[str]:
+    """The step checkpoints (``{name: generation}``) beyond the ``keep`` newest of ``generation``.
+
+    Only this run's files count towards ``keep``: another generation's go regardless.
+    """
+    ordered = sorted(steps, key=lambda name: int(name[5:-4]), reverse=True)
+    this_run = [name for name in ordered if steps[name] == generation][:keep]
+    return [name for name in ordered if name not in this_run]
 
 
 def _rotate(latest: Path, snapshot: str) -> None:

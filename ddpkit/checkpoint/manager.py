@@ -7,6 +7,8 @@ per-epoch weight files and ``best.pth``: written atomically and
 a snapshot to host memory (``ddpkit.checkpoint.background``), with every rank's RNG state.
 Resume takes the newest complete checkpoint that any node holds and sends it
 to the ranks that lack it (``ddpkit.checkpoint.transfer``): no shared disk is needed.
+A URL (``s3://bucket/prefix``) puts the same files on an object store, committed
+by manifests (``ddpkit.checkpoint.store``).
 """
 
 from __future__ import annotations
@@ -23,14 +25,31 @@ import torch
 from torch import nn
 
 from ddpkit import _graveyard
+from ddpkit._docs import see
 from ddpkit.checkpoint.background import BackgroundWriter, snapshot
 from ddpkit.checkpoint.cadence import SaveCadence, SaveClock
-from ddpkit.checkpoint.files import FORMAT, INTERRUPTED, LATEST, VERSION, step_name, write_files
+from ddpkit.checkpoint.files import (
+    BEST,
+    FORMAT,
+    INTERRUPTED,
+    LATEST,
+    VERSION,
+    step_name,
+    write_files,
+)
 from ddpkit.checkpoint.outcomes import describe_error, raise_earlier_failure, share_outcome
 from ddpkit.checkpoint.restore import Restored, restore_state
-from ddpkit.checkpoint.serialization import MapLocation, check_saveable
+from ddpkit.checkpoint.serialization import CheckpointError, MapLocation, check_saveable
 from ddpkit.checkpoint.state import TrainingState
-from ddpkit.checkpoint.sync import claim_directory, load_newest, newest_extra, next_generation
+from ddpkit.checkpoint.store import SIDE_FILES, ObjectStore, is_url
+from ddpkit.checkpoint.sync import (
+    claim_directory,
+    load_newest,
+    load_remote,
+    newest_extra,
+    next_generation,
+    shared,
+)
 from ddpkit.distributed.comm import all_gather_object, get_local_rank, get_rank, get_world_size
 from ddpkit.position import Position
 from ddpkit.rng import capture_rng_state
@@ -71,6 +90,15 @@ class CheckpointManager:
     any rank holds and sends it over the process group to those that lack it.
     A fresh run refuses a directory that holds another run's files, unless ``overwrite``.
 
+    ``directory`` may be a URL, ``s3://bucket/prefix`` (``pip install
+    'ddpkit[s3]'``; credentials and endpoint from ``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``): rank 0 uploads the same
+    files there in its writer thread, each save committed by a manifest written
+    last, and :meth:`resume` downloads the newest committed checkpoint, so a job
+    whose machines are all new continues. The collectives of a save and a resume
+    then wait for the store as long as
+    :data:`~ddpkit.distributed.comm.PATIENT_TIMEOUT`, not the process group's timeout.
+
     :meth:`checkpoint`, :meth:`flush` and :meth:`resume` are
     collectives: all ranks must call them, or they deadlock. With plain DDP
     every rank holds the same model and optimizer state; sharded optimizers
@@ -94,12 +122,20 @@ class CheckpointManager:
             of these keys.
         state: the training state, bound now (see :meth:`bind`).
         network: the former name of ``prefix`` (deprecated).
+        local_dir: (a URL) this node's directory for the files on their way to
+            and from the store and for ``metrics.jsonl``, which travels with every
+            commit; default ``~/.cache/ddpkit/checkpoints/<bucket>/<prefix>``.
+        storage_options: (a URL) passed to ``fsspec.url_to_fs`` (e.g. ``profile``).
 
     Attributes:
         state: the bound :class:`~ddpkit.checkpoint.TrainingState`, or None.
         cadence: when step checkpoints fall (:class:`~ddpkit.checkpoint.cadence.SaveCadence`).
         clock: the cadence applied, on the clock of the last save
             (:class:`~ddpkit.checkpoint.cadence.SaveClock`).
+        directory: where the files are written: the local directory (with a
+            URL, ``local_dir``).
+        url: the store's URL, or None for a local directory.
+        location: ``url``, or ``directory`` as a string: where the checkpoints are.
         best_acc1: the best ``acc1`` saved so far (restored by :meth:`resume`), or None.
         resumed_from: the file :meth:`resume` loaded (on the rank that read it), or None.
         resumed: what the resumed checkpoint held beyond the bound state's
@@ -133,6 +169,8 @@ class CheckpointManager:
         extra: Mapping[str, Any] | None = None,
         state: TrainingState | None = None,
         network: str | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ):
         if network is not None:
             _graveyard.deprecated("CheckpointManager(network=...)", "prefix=...")
@@ -144,7 +182,20 @@ class CheckpointManager:
         self.clock = SaveClock(self.cadence)
         if not prefix or "/" in prefix or os.sep in prefix:
             raise ValueError(f"prefix must be a file name prefix without '/', got {prefix!r}")
-        self.directory = Path(directory)
+        self.store: ObjectStore | None = None
+        self.url: str | None = None
+        if is_url(directory):
+            if on_each_node:
+                raise ValueError(
+                    f"on_each_node is for local directories: every node of the job reads "
+                    f"{directory} itself (pass one or the other)"
+                )
+            self.store = ObjectStore(os.fspath(directory), storage_options)
+            self.url = self.store.url
+            self.directory = Path(local_dir) if local_dir is not None else _cache_dir(self.url)
+        else:
+            self.directory = Path(os.fspath(directory).removeprefix("file://"))
+        self.location = self.url or str(self.directory)
         self.prefix, self.keep_last, self.keep_steps = prefix, keep_last, keep_steps
         self.on_each_node, self.overwrite = on_each_node, overwrite
         self.extra = dict(check_saveable(dict(extra or {})))
@@ -159,7 +210,7 @@ class CheckpointManager:
         self.resumed_checkpoint: str | None = None  # the same on every rank, for messages
         self.resumed: Restored | None = None
         self.resumed_extra: dict[str, Any] = {}
-        self._generation: int | None = None
+        self._generation: int | None = None  # set by the claim of a fresh run, or a resume
         self._latest_damaged = False
         self._writer = BackgroundWriter()
         # The host copy of the last background save, written into by the next one.
@@ -313,7 +364,8 @@ class CheckpointManager:
         self._writer.join()  # at most one write in flight
         failed = self._writer.error
         gathered = all_gather_object(
-            (capture_rng_state(), loop, loader, unsaveable, describe_error(failed))
+            (capture_rng_state(), loop, loader, unsaveable, describe_error(failed)),
+            patient=self.store is not None,
         )
         raise_earlier_failure(failed, [g[4] for g in gathered], self._writer)
         for rank, (*_, why, _error) in enumerate(gathered):
@@ -327,8 +379,8 @@ class CheckpointManager:
         extra = {**self.extra, **state.extra, **(extra or {})}
         check_saveable({"metrics": metrics, "extra": extra})  # the same on all ranks
         if self._generation is None:  # the first save of a fresh run: the directory is its own
-            claim_directory(self.directory, writes=self.writes, overwrite=self.overwrite)
-            self._generation = next_generation(self.directory)
+            self.claim()
+        assert self._generation is not None
         acc1 = float(metrics["acc1"]) if "acc1" in metrics else None
         # The weight file holds the better of the model and its average, as measured.
         averaged = state.ema is not None and "ema_acc1" in metrics
@@ -374,17 +426,18 @@ class CheckpointManager:
                 "best_epoch": best[1],
             }
             path = self.latest_path if kind == "epoch" else self._path_of(kind, position.step)
+            sides = self._sides()
             if block:
                 try:
-                    self._write(record, improved)
+                    self._write(record, improved, sides)
                 except Exception as exc:
                     error = exc
             else:  # training changes the originals from here on: write a copy
                 # The last copy's write is done (joined above): its host memory is reused.
                 self._spare = snapshot(record, reuse=self._spare)
-                self._writer.submit(functools.partial(self._write, self._spare, improved))
+                self._writer.submit(functools.partial(self._write, self._spare, improved, sides))
         if block:
-            share_outcome(error, kind)
+            share_outcome(error, kind, patient=self.store is not None)
         self.best_acc1, self._best_epoch = best
         self.clock.restart()  # every_minutes counts from the last save, any kind
         return path
@@ -412,14 +465,74 @@ class CheckpointManager:
         self._writer.join()
         self._spare = None  # the end of training: the host copy is not needed any more
         failed = self._writer.error
-        reports = all_gather_object(describe_error(failed))
+        reports = all_gather_object(describe_error(failed), patient=self.store is not None)
         raise_earlier_failure(failed, reports, self._writer)
+
+    def claim(self) -> None:
+        """Make the directory (or the store's prefix) this fresh run's, before it trains.
+
+        Refuses another run's files there, or with ``overwrite`` deletes them;
+        for a store, checks first that it can be reached and written, so a wrong
+        bucket, credentials or endpoint fail now, within seconds. ``fit`` and
+        ``StepGuard.resume`` call this at the start of a fresh run; the first
+        save does otherwise. All ranks must call this, or it deadlocks.
+
+        Raises:
+            CheckpointError: another run's files are there (and not
+                ``overwrite``), or the store cannot be used; on every rank.
+        """
+        if self.store is None:
+            claim_directory(self.directory, writes=self.writes, overwrite=self.overwrite)
+            self._generation = next_generation(self.directory)
+            return
+        store, overwrite = self.store, self.overwrite
+        other = shared(lambda: store.claim(overwrite))
+        if other is not None:
+            raise CheckpointError(
+                f"{self.url} holds another run's checkpoints: {other}. A fresh run would "
+                "replace them. Continue that run (fit(resume=True), --resume), use another "
+                "prefix, or pass CheckpointManager(overwrite=True) (--overwrite) to delete them. "
+                + see("a-directory-holds-another-run")
+            )
+        self._generation = 1
+
+    def best(self) -> str | None:
+        """Where ``best.pth`` is (a path or a URL), or None: none written yet (rank 0's view)."""
+        if self.store is not None:
+            return self.store.where(BEST) if BEST in self.store.files else None
+        path = self.directory / BEST
+        return str(path) if path.exists() else None
 
     def _path_of(self, kind: str, step: int) -> Path:
         return self.interrupted_path if kind == "interrupted" else self.directory / step_name(step)
 
-    def _write(self, state: dict[str, Any], improved: bool) -> None:
+    def _sides(self) -> dict[str, bytes]:
+        """(A store, rank 0) the side files as they are now, read before training changes them."""
+        if self.store is None or get_rank() != 0:
+            return {}
+        sides = {}
+        for name in SIDE_FILES:
+            try:
+                sides[name] = (self.directory / name).read_bytes()
+            except FileNotFoundError:
+                continue
+        return sides
+
+    def _write(self, state: dict[str, Any], improved: bool, sides: dict[str, bytes]) -> None:
         rotate = not self._latest_damaged  # a damaged latest.pth must not become previous.pth
+        if self.store is not None:
+            self.store.save(
+                state,
+                self.directory,
+                prefix=self.prefix,
+                keep_last=self.keep_last,
+                keep_steps=self.keep_steps,
+                best=improved,
+                rotate=rotate,
+                sides=sides,
+            )
+            self._latest_damaged = False
+            return
         write_files(
             self.directory,
             state,
@@ -438,6 +551,10 @@ class CheckpointManager:
         Read before the resume, without loading its tensors (to compare a run's
         settings with the one it continues). A collective: all ranks call it.
         """
+        if self.store is not None:
+            store = self.store
+            newest = shared(store.newest)
+            return None if newest is None else (newest["checkpoint"], dict(newest["extra"]))
         return newest_extra(self.directory)
 
     def resume(
@@ -490,14 +607,21 @@ class CheckpointManager:
         given = {"scheduler": scheduler, "scaler": scaler, "ema": ema}
         training = self._bound("resume", {"model": model, "optimizer": optimizer, **given})
         self._writer.join()
-        agreed = load_newest(self.directory, Path(path) if path is not None else None, map_location)
+        if self.store is not None and (path is None or _in_store(self.store.url, path)):
+            named = None if path is None else os.fspath(path)
+            agreed = load_remote(self.store, named, self.directory, map_location)
+            where = self.store.where(agreed.found.name) if agreed.found is not None else ""
+        else:
+            local = Path(path) if path is not None else None
+            agreed = load_newest(self.directory, local, map_location)
+            where = str(path or self.directory / (agreed.found.name if agreed.found else ""))
         self._latest_damaged = agreed.latest_damaged
         self.resumed_from, self.resumed_checkpoint = agreed.file, None
         if agreed.state is None or agreed.found is None:
             self._generation = agreed.generation + 1
             self.resumed = None
             return 0
-        self.resumed_checkpoint = str(path or self.directory / agreed.found.name)
+        self.resumed_checkpoint = where
         restored = restore_state(
             agreed.state,
             agreed.found,
@@ -524,6 +648,18 @@ class CheckpointManager:
                 "resuming from %s (read on rank %d)", agreed.found.describe(), agreed.source
             )
         return restored.position.epoch
+
+
+def _in_store(url: str, path: str | os.PathLike[str]) -> bool:
+    """Whether a resume's ``path`` names a file of the store: its URL, or a bare file name."""
+    text = os.fspath(path)
+    return text.startswith(url + "/") or (not is_url(text) and "/" not in text)
+
+
+def _cache_dir(url: str) -> Path:
+    """This node's directory for a store's checkpoints on their way: under the user's cache."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "ddpkit" / "checkpoints" / url.split("://", 1)[1].replace(":", "_")
 
 
 def _objects(objects: tuple[Any, ...], options: dict[str, Any]) -> dict[str, Any]:

@@ -37,10 +37,13 @@ def raise_earlier_failure(
     )
 
 
-def share_outcome(error: BaseException | None, kind: str) -> None:
-    """A blocking save: every rank learns whether the writing ranks succeeded."""
+def share_outcome(error: BaseException | None, kind: str, *, patient: bool = False) -> None:
+    """A blocking save: every rank learns whether the writing ranks succeeded.
+
+    ``patient``: the others wait for a slow store, not the process group's timeout.
+    """
     report = None if error is None else (type(error).__qualname__, str(error), "")
-    verdicts = all_gather_object(report)
+    verdicts = all_gather_object(report, patient=patient)
     if error is not None:
         raise error
     for rank, verdict in enumerate(verdicts):

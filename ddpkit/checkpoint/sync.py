@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -32,9 +33,21 @@ from ddpkit.checkpoint.serialization import CheckpointError, MapLocation, load_c
 from ddpkit.checkpoint.transfer import broadcast_state
 from ddpkit.distributed.comm import all_gather_object, get_rank, get_world_size
 
-logger = logging.getLogger("ddpkit")
+if TYPE_CHECKING:
+    from ddpkit.checkpoint.store import ObjectStore
 
-__all__ = ["Agreed", "claim_directory", "load_newest", "newest_extra", "next_generation"]
+logger = logging.getLogger("ddpkit")
+_T = TypeVar("_T")
+
+__all__ = [
+    "Agreed",
+    "claim_directory",
+    "load_newest",
+    "load_remote",
+    "newest_extra",
+    "next_generation",
+    "shared",
+]
 
 
 @dataclass(frozen=True)
@@ -134,6 +147,71 @@ def load_newest(directory: Path, path: Path | None, map_location: MapLocation) -
         + ". "
         + see("checkpoints")
     )
+
+
+def shared(work: Callable[[], _T]) -> _T:
+    """``work()`` on rank 0 (a store's requests), its result or its error on every rank.
+
+    The other ranks wait in a patient gather (:data:`~ddpkit.distributed.comm.PATIENT_TIMEOUT`),
+    so a slow store times out no collective. All ranks must call this, or it deadlocks.
+
+    Raises:
+        CheckpointError: on the other ranks, when ``work`` raised on rank 0
+            (which raises its own error).
+    """
+    result: Any = None
+    error: BaseException | None = None
+    if get_rank() == 0:
+        try:
+            result = work()
+        except Exception as exc:  # every rank raises it, so none waits for rank 0
+            error = exc
+    told = all_gather_object(
+        (result, None if error is None else f"{type(error).__name__}: {error}"), patient=True
+    )[0]
+    if error is not None:
+        raise error
+    if told[1] is not None:
+        raise CheckpointError(f"rank 0: {told[1]}")
+    return told[0]  # type: ignore[no-any-return]
+
+
+def load_remote(
+    store: ObjectStore, path: str | None, local: Path, map_location: MapLocation
+) -> Agreed:
+    """Agree on the store's newest committed checkpoint (or ``path``, one of its files); load it.
+
+    Rank 0 reads the manifests and downloads the file into ``local`` (checking
+    its SHA-256, then every CRC), and sends the state to the others. All ranks
+    must call this, or it deadlocks.
+
+    Raises:
+        CheckpointError: the store cannot be used, ``path`` is not one of its
+            committed checkpoints, or none of them is intact.
+    """
+    name = None if path is None else path.removeprefix(store.url + "/")
+    loaded: dict[str, Any] = {}
+
+    def fetch() -> tuple[Found | None, int]:
+        got = store.fetch(local, name)
+        generation = max((int(e.get("generation", 0)) for e in store.files.values()), default=0)
+        if got is None:
+            return None, generation
+        found, file = got
+        try:
+            loaded["state"] = load_checkpoint(file, map_location)
+        finally:
+            file.unlink(missing_ok=True)
+        return found, generation
+
+    found, generation = shared(fetch)
+    if found is None:
+        return Agreed(None, None, 0, generation, False, None)
+    state = loaded.get("state")
+    if get_world_size() > 1:
+        state = broadcast_state(state, 0)
+    assert state is not None
+    return Agreed(state, found, 0, generation, False, None)
 
 
 def newest_extra(directory: Path) -> tuple[str, dict[str, Any]] | None:

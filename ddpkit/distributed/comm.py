@@ -9,6 +9,7 @@ or the job deadlocks**.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, TypeVar, overload
 
 import torch
@@ -29,6 +30,10 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+PATIENT_TIMEOUT = timedelta(hours=2)
+"""How long ``all_gather_object(patient=True)`` waits: for a slow store, not a hung peer."""
+_PATIENT: dict[int, Any] = {}
 
 
 def is_dist_initialized() -> bool:
@@ -131,7 +136,7 @@ def all_reduce_sum(value: torch.Tensor | int | float) -> torch.Tensor | int | fl
     return int(work.item()) if isinstance(value, int) else float(work.item())
 
 
-def all_gather_object(obj: _T) -> list[_T]:
+def all_gather_object(obj: _T, *, patient: bool = False) -> list[_T]:
     """Gather one picklable object from every rank into a list in rank order.
 
     Without a process group this is ``[obj]``. The objects travel pickled
@@ -141,6 +146,9 @@ def all_gather_object(obj: _T) -> list[_T]:
 
     Args:
         obj: any picklable object.
+        patient: gather in a Gloo group of all ranks whose timeout is
+            :data:`PATIENT_TIMEOUT`, not the process group's: for the ranks that
+            wait while one of them talks to a slow store (made by the first such call).
 
     Returns:
         ``[obj_from_rank_0, obj_from_rank_1, ...]``.
@@ -148,5 +156,12 @@ def all_gather_object(obj: _T) -> list[_T]:
     if not is_dist_initialized():
         return [obj]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    dist.all_gather_object(gathered, obj, group=_patient_group() if patient else None)
     return gathered
+
+
+def _patient_group() -> Any:
+    key = id(dist.group.WORLD)
+    if key not in _PATIENT:
+        _PATIENT[key] = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
+    return _PATIENT[key]

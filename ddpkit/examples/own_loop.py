@@ -77,7 +77,11 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     # step, saves when due, stops every rank together on a signal, and at the end of the
     # block waits until the last checkpoint is on disk.
     with ddpkit.StepGuard(manager, config=config) as guard:
+        # A fresh run claims the directory (or store) now: another run's files, a wrong
+        # bucket or credentials are refused before the first step.
         first = guard.resume(train_loader) if args.resume else 0
+        if not args.resume:
+            manager.claim()
         for epoch in range(first, args.epochs):
             model.train()
             part = guard.batches(train_loader, epoch)  # set_epoch, and where a resume stood
@@ -120,7 +124,7 @@ FLAGS = (
     _f("--clip-grad", type=_number(float, 0, strict=True), metavar="NORM", help="clip to"),
     _f("--model-ema", action="store_true", help="evaluate a moving average of the weights too"),
     _f("--model-ema-decay", type=_number(float, 0, strict=True), default=0.9998, metavar="D"),
-    _f("--checkpoints", default="checkpoints", metavar="DIR"),
+    _f("--checkpoints", default="checkpoints", metavar="DIR|URL", help="or s3://bucket/prefix"),
     _f("--save-every-steps", type=INT1, metavar="N", help="a step checkpoint every N steps"),
     _f("--save-every-minutes", type=_number(float, 0, strict=True), metavar="M"),
     _f("--resume", action="store_true", help="continue from the newest checkpoint any node holds"),

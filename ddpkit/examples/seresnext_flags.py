@@ -87,11 +87,11 @@ FLAGS = (
     _f("--amp", choices=["bf16", "fp16"], help="mixed precision"),
     _f("--min-crop", type=SHARE, default=0.08, metavar="AREA", help="the crop's least area"),
     _f("--seed", type=INT0, default=0),
-    _f("--checkpoints", default="checkpoints", metavar="DIR"),
+    _f("--checkpoints", default="checkpoints", metavar="DIR|URL", help="or s3://bucket/prefix"),
     _f(
         "--log-dir",
         metavar="DIR",
-        help="where rank 0 writes metrics.jsonl (default: --checkpoints)",
+        help="where rank 0 writes metrics.jsonl (default: --checkpoints, or its local side)",
     ),
     _f("--log-with", nargs="+", action=_Trackers, metavar="NAMES", help="trackers (below)"),
     _f("--project", default="ddpkit", help="the MLflow experiment and W&B project"),
@@ -263,7 +263,7 @@ def warn_changed_settings(checkpoints: ddpkit.CheckpointManager, now: dict[str, 
     ]
     if changed and ddpkit.get_rank() == 0:
         warnings.warn(
-            f"--resume: settings changed since {Path(checkpoints.directory) / name} "
+            f"--resume: settings changed since {checkpoints.location}/{name} "
             f"({', '.join(changed)}); the rest of the run trains with the new ones, so it is not "
             "the uninterrupted run",
             RuntimeWarning,

@@ -155,7 +155,7 @@ def train(
         checkpoints=checkpoints,
         resume=resume,
         report=ddpkit.ReportConfig(
-            log_dir=args.log_dir or args.checkpoints,
+            log_dir=args.log_dir or checkpoints.directory,  # with a URL: a local one
             progress=not args.demo,  # a bar on rank 0, not in the demo
             profile_steps=args.profile_steps,
             profile_ranks=tuple(args.profile_ranks) if args.profile_ranks else None,
@@ -241,7 +241,7 @@ def load_for_evaluation(
         warnings.filterwarnings("ignore", ".*RNG state", RuntimeWarning)
         checkpoints.resume(strict_rng=False)
     if checkpoints.position is not None:
-        return str(checkpoints.resumed_from or f"the newest checkpoint in {args.checkpoints}")
+        return str(checkpoints.resumed_checkpoint or f"the newest in {checkpoints.location}")
     if args.pretrained:
         load_weights(model, args.pretrained, "--pretrained", None)
         return str(args.pretrained)

@@ -40,7 +40,6 @@ from ddpkit.checkpoint import CheckpointManager
 from ddpkit.checkpoint.cadence import SaveClock
 from ddpkit.checkpoint.serialization import CheckpointError
 from ddpkit.checkpoint.state import TrainingState
-from ddpkit.checkpoint.sync import claim_directory
 from ddpkit.data.resume import EpochBatches, epoch_batches, inexact_resume, resume_verdict
 from ddpkit.data.streams import EPOCH_SEEDS, loader_states_for, state_holder
 from ddpkit.distributed import comm
@@ -195,7 +194,7 @@ class StepGuard:
         self._fp16_scaler()  # before the restore, which fills it
         manager.resume(path=path, strict_rng=False)
         if manager.resumed is None:
-            claim_directory(manager.directory, writes=manager.writes, overwrite=manager.overwrite)
+            manager.claim()
             return 0
         state = self.state
         start = state.position

@@ -31,9 +31,7 @@ from torch import nn
 
 from ddpkit import _graveyard
 from ddpkit.checkpoint import CheckpointManager
-from ddpkit.checkpoint.files import BEST
 from ddpkit.checkpoint.state import TrainingState
-from ddpkit.checkpoint.sync import claim_directory
 from ddpkit.data.streams import check_batches
 from ddpkit.distributed import comm
 from ddpkit.distributed.devices import module_device
@@ -252,7 +250,7 @@ def _resume(
     if manager is None:
         return None, None
     if resume is False:  # a fresh run: another run's files are refused before it trains
-        claim_directory(manager.directory, writes=manager.writes, overwrite=manager.overwrite)
+        manager.claim()
     else:
         guard.resume(loader, path=None if resume is True else resume)
     if run.profiler is not None:
@@ -384,8 +382,7 @@ def _end(run: Run, history: History) -> None:
     checkpoints = run.guard.checkpoints
     if checkpoints is not None:
         checkpoints.flush()  # every rank learns whether the last write failed
-        if (checkpoints.directory / BEST).exists():
-            best = str(checkpoints.directory / BEST)
+        best = checkpoints.best()
     # On rank 0 while the others may have left: bounded by the trackers' own deadline,
     # not the watchdog's.
     run.guard.progress("trackers")

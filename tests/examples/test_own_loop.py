@@ -170,3 +170,31 @@ def test_the_flags_take_a_config_file_and_check_the_batch(
             own_loop.parse_args(argv)
         assert exited.value.code == 2
         assert said in capsys.readouterr().err
+
+
+def test_checkpoints_on_a_store_resume_on_another_machine(data: Path, tmp_path: Path) -> None:
+    """--checkpoints s3://... (moto's S3 server on 127.0.0.1): one epoch, then the second
+    resumed where no local file of the run is; a missing bucket is refused before a step."""
+    from s3_fixtures import S3Server  # type: ignore[import-not-found]
+
+    server = S3Server()
+    try:
+        url = f"s3://{server.bucket()}/own"
+
+        def run(machine: str, *extra: str) -> tuple[int, str]:
+            env = {**_env(), **server.env(), "XDG_CACHE_HOME": str(tmp_path / machine)}
+            command = [sys.executable, *_flags(data, Path("unused"), "--checkpoints", url, *extra)]
+            return launch(command, env, ROOT)
+
+        code, out = run("first", "--epochs", "1")
+        assert code == 0, shown(out)
+        code, out = run("second", "--epochs", "2", "--resume")
+        assert code == 0, shown(out)
+        assert re.search(r"resuming from latest\.pth \(epoch: end of epoch 1", out), shown(out)
+        assert "epoch 2/2" in out, shown(out)
+        code, out = run("third", "--checkpoints", "s3://no-such-bucket-y/own")
+        assert code == 1, shown(out)
+        assert "bucket 'no-such-bucket-y' does not exist" in out, shown(out)
+        assert "Traceback" not in out
+    finally:
+        server.stop()

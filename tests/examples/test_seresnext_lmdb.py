@@ -331,6 +331,44 @@ def test_evaluate_prints_the_accuracy_training_logged(tmp_path: Path) -> None:
     assert "--evaluate: no checkpoint in" in nothing.stderr
 
 
+def test_checkpoints_on_a_store_train_evaluate_elsewhere_and_refuse_a_missing_bucket(
+    tmp_path: Path,
+) -> None:
+    """--checkpoints s3://...: moto's S3 server on 127.0.0.1, two machines' local sides."""
+    from s3_fixtures import S3Server  # type: ignore[import-not-found]
+
+    server = S3Server()
+    try:
+        _shapes_data(tmp_path, 4)
+        url = f"s3://{server.bucket()}/exp1"
+        common = [sys.executable, str(SCRIPT), "--data", str(tmp_path), "--arch", "test_resnet",
+                  "--image-size", "32", "-b", "4", "-j", "0", "--checkpoints", url]  # fmt: skip
+
+        def run(machine: str, *argv: str) -> subprocess.CompletedProcess[str]:
+            env = {**_env(), **server.env(), "XDG_CACHE_HOME": str(tmp_path / machine)}
+            return warm_run([*common, *argv], env=env, capture_output=True, text=True,
+                            timeout=100)  # fmt: skip
+
+        trained = run("first", "--epochs", "1")
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        objects = [key.rsplit("/", 1)[1] for key in server.fs().find(url[5:])]
+        assert {"latest.pth", "best.pth", "metrics.jsonl"} <= set(objects), objects
+        assert not (Path.cwd() / "s3:").exists()  # never a local folder named after the URL
+        side = tmp_path / "first" / "ddpkit" / "checkpoints" / url[5:]
+        logged = [json.loads(line) for line in (side / "metrics.jsonl").read_text().splitlines()]
+        record = [r for r in logged if "val_acc1" in r][-1]
+        evaluated = run("second", "--evaluate")  # a machine that never held the run
+        assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+        assert f"acc1 {record['val_acc1']:.3f}" in evaluated.stdout, evaluated.stdout
+        missing = run("third", "--epochs", "1", "--checkpoints", "s3://no-such-bucket-x/exp1")
+        assert missing.returncode == 1, missing.stderr[-3000:]
+        assert "bucket 'no-such-bucket-x' does not exist" in missing.stderr
+        assert "Traceback" not in missing.stderr
+        assert "epoch 1/1" not in missing.stderr + missing.stdout  # refused before training
+    finally:
+        server.stop()
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "argv",

@@ -41,6 +41,7 @@ from ddpkit import (
     warmup_schedule,
     wrap_ddp,
 )
+from ddpkit.checkpoint.store import ObjectStore, is_url
 
 BATCH = 4  # per rank: 48 samples on 2 ranks make 6 steps an epoch
 
@@ -97,8 +98,16 @@ def _wait_for_saved(plan: dict[str, Any]) -> None:
     step = plan.get("saved_before_kill")
     if step is None:
         return
-    path = Path(plan["dir"], f"step-{step:09d}.pth")
+    name = f"step-{step:09d}.pth"
     deadline = time.monotonic() + 120
+    if is_url(plan["dir"]):  # on a store: once a manifest commits it
+        store = ObjectStore(plan["dir"])
+        while time.monotonic() < deadline:
+            if any(name in base for _, base in store._manifests()):
+                return
+            time.sleep(0.05)
+        return
+    path = Path(plan["dir"], name)
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
 
@@ -181,8 +190,9 @@ def faulty_run(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, An
     loader = build_loader(data, batch_size=BATCH, train=True, workers=workers, seed=5, info=info,
                           multiprocessing_context=start, **draws)  # type: ignore[arg-type]  # fmt: skip
     directory = plan["dirs"][rank] if "dirs" in plan else plan["dir"]
+    local = {"local_dir": plan["local_dirs"][rank]} if is_url(directory) else {}
     manager = CheckpointManager(directory, prefix="tiny", every_steps=plan.get("every_steps"),
-                                on_each_node=plan.get("on_each_node", False))  # fmt: skip
+                                on_each_node=plan.get("on_each_node", False), **local)  # fmt: skip
     outcome: dict[str, Any] = {}
     criterion: Any = nn.CrossEntropyLoss()
     config, ema = TrainConfig(normalize=None), None
