@@ -34,6 +34,7 @@ from ddpkit.checkpoint.files import (
     INTERRUPTED,
     LATEST,
     VERSION,
+    is_run_file,
     step_name,
     write_files,
 )
@@ -271,7 +272,7 @@ class CheckpointManager:
 
     def save(
         self, epoch: int, *objects: Any, step: int | None = None, **options: Any
-    ) -> Path | None:
+    ) -> Path | str | None:
         """Deprecated (0.1): ``state.end_epoch(epoch, world, step)``, then ``checkpoint("epoch")``.
 
         ``objects`` (model, optimizer, scheduler, scaler; ``ema=`` too) are
@@ -294,7 +295,7 @@ class CheckpointManager:
         kind: str = "step",
         loop: Any = None,
         **options: Any,
-    ) -> Path | None:
+    ) -> Path | str | None:
         """Deprecated (0.1): ``state.advance(position, loop=...)``, then ``checkpoint(kind)``.
 
         ``kind`` is ``"step"`` or ``"interrupted"``; ``loop`` None keeps the
@@ -319,7 +320,7 @@ class CheckpointManager:
         metrics: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
         block: bool = True,
-    ) -> Path | None:
+    ) -> Path | str | None:
         """Write the bound state as it is: the one path of every save. All ranks must call this.
 
         ``kind`` is ``"epoch"`` (``latest.pth``; the state's position is the
@@ -343,7 +344,8 @@ class CheckpointManager:
                 :meth:`resume` wait for the write.
 
         Returns:
-            The file's path on the ranks that write, None on the others.
+            The file's path on the ranks that write (with a store, its URL), None
+            on the others.
 
         Raises:
             TypeError: no state is bound, or ``metrics`` or ``extra`` hold
@@ -398,7 +400,7 @@ class CheckpointManager:
             and (self.best_acc1 is None or acc1 > self.best_acc1)
         )
         best = (acc1, epoch) if improved else (self.best_acc1, self._best_epoch)
-        path: Path | None = None
+        path: Path | str | None = None
         error: BaseException | None = None
         gather = self.on_each_node and get_world_size() > 1
         pieces = state.capture(gather)
@@ -426,6 +428,8 @@ class CheckpointManager:
                 "best_epoch": best[1],
             }
             path = self.latest_path if kind == "epoch" else self._path_of(kind, position.step)
+            if self.store is not None:
+                path = self.store.where(path.name)
             sides = self._sides()
             if block:
                 try:
@@ -495,6 +499,11 @@ class CheckpointManager:
                 + see("a-directory-holds-another-run")
             )
         self._generation = 1
+
+    @property
+    def latest(self) -> str:
+        """Where ``latest.pth`` is: ``latest_path``, or with a store its URL."""
+        return self.store.where(LATEST) if self.store is not None else str(self.latest_path)
 
     def best(self) -> str | None:
         """Where ``best.pth`` is (a path or a URL), or None: none written yet (rank 0's view)."""
@@ -651,9 +660,20 @@ class CheckpointManager:
 
 
 def _in_store(url: str, path: str | os.PathLike[str]) -> bool:
-    """Whether a resume's ``path`` names a file of the store: its URL, or a bare file name."""
+    """Whether a resume's ``path`` names a file of the store: its URL, or a checkpoint's name.
+
+    Raises:
+        CheckpointError: ``path`` is the URL of another store or prefix.
+    """
     text = os.fspath(path)
-    return text.startswith(url + "/") or (not is_url(text) and "/" not in text)
+    if is_url(text):
+        if not text.startswith(url + "/"):
+            raise CheckpointError(
+                f"resume: {text} is not under {url}, this run's store: pass one of its files "
+                f"({url}/latest.pth, step-<n>.pth ...) or a local path. " + see("checkpoints")
+            )
+        return True
+    return "/" not in text and is_run_file(text)
 
 
 def _cache_dir(url: str) -> Path:

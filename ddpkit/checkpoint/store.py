@@ -9,9 +9,10 @@ and, for a moment, ``pending/``. One save, in the writer thread:
 1. the new files are uploaded: a name the committed layout does not hold yet (a
    weight file, a new step file) under that name, one it holds (``latest.pth``)
    under ``pending/<name>``: nothing committed changes;
-2. the manifest ``manifests/<seq>-<name>-<sha>.json`` (every file's size and
-   SHA-256, and the copies still to make) is put last, with a conditional put
-   where the store has one (S3's ``If-None-Match``): that is the commit;
+2. the manifest ``manifests/<seq>.json`` (every file's size and SHA-256, and
+   the copies still to make) is put last, with a conditional put where the
+   store has one (S3's ``If-None-Match``), so a second job writing to the
+   prefix fails on its first commit: that is the commit;
 3. the layout rolls forward: server-side copies (``latest.pth`` to
    ``previous.pth``, ``pending/latest.pth`` to ``latest.pth``, the weight file to
    ``best.pth``), then the deletes (``pending/``, what ``keep_last`` drops, the
@@ -77,7 +78,7 @@ CHECK_SECONDS = 30.0
 PAUSES = (0.5, 1.0, 2.0, 4.0, 8.0)
 """Seconds between the attempts of a transfer that failed: about 15 s, then the save fails."""
 _FORMAT = "ddpkit-manifest"
-_MANIFEST = re.compile(r"(\d{9})-(.+)-([0-9a-f]{12})\.json")
+_MANIFEST = re.compile(r"(\d{9})\.json")
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _S3 = ("s3", "s3a")
 _CHUNK = 8 << 20
@@ -141,6 +142,8 @@ class ObjectStore:
             raise ValueError(f"{url} names no bucket: pass s3://BUCKET/PREFIX")
         self.files: dict[str, dict[str, Any]] = {}
         self.seq = 0
+        self._committed: dict[int, str] = {}  # each known manifest's checkpoint SHA-256
+        self._present: set[str] = set()  # the run's names under the prefix, as last listed
 
     def where(self, name: str) -> str:
         """The URL of ``name`` under the prefix."""
@@ -229,7 +232,7 @@ class ObjectStore:
             logger.warning(
                 "overwrite: removed the previous run's %d objects from %s", len(names), self.url
             )
-        self.files, self.seq = {}, 0
+        self.files, self.seq, self._committed, self._present = {}, 0, {}, set()
         return None
 
     # -- a save ---------------------------------------------------------------------------
@@ -253,8 +256,9 @@ class ObjectStore:
         ``sides`` the side files' contents (``metrics.jsonl``).
 
         Raises:
-            OSError: a transfer failed after its retries, or the local disk is full;
-                nothing committed was changed.
+            OSError: a transfer failed after its retries, or the local disk is full
+                (nothing committed was changed); or, after the commit, a copy or a
+                delete failed (the checkpoint is committed; a resume finishes its layout).
             CheckpointError: another job committed to the prefix meanwhile.
         """
         clean = check_saveable(state)
@@ -269,58 +273,65 @@ class ObjectStore:
             try:
                 write(tmp)
                 entry: dict[str, Any] = {"size": tmp.stat().st_size, "sha256": _sha256(tmp)}
-                # A name the commit holds is replaced only after the next commit.
-                source = f"{PENDING}/{target}" if target in self.files else target
+                # A name the store holds is replaced only after the next commit.
+                held = target in self.files or target in self._present
+                source = f"{PENDING}/{target}" if held else target
                 self._upload(tmp, source, entry["sha256"])
             finally:
                 tmp.unlink(missing_ok=True)
             if source != target:
-                moves.append([source, target, entry["sha256"]])
+                moves.append([source, target, entry["sha256"], entry["size"]])
             files[target] = entry
             return entry
 
         doomed: list[str] = []
-        if kind == "epoch":
-            epoch = clean["epoch"]
-            weights_file = weight_name(prefix, epoch, clean["acc1"])
-            weights = clean["model"] if clean.get("weights") != "ema" else averaged(clean["ema"])
-            entry = put(weights_file, lambda tmp: save_checkpoint(weights, tmp))
-            if rotate and LATEST in self.files:
-                moves.append([LATEST, PREVIOUS, self.files[LATEST]["sha256"]])
-                files[PREVIOUS] = self.files[LATEST]
-            put(LATEST, lambda tmp: save_checkpoint(clean, tmp))
-            if best:
-                moves.append([weights_file, BEST, entry["sha256"]])
-                files[BEST] = entry
-            best_epoch = clean["best_epoch"]
-            doomed += stale_weights(
-                files,
-                prefix,
-                keep_last,
-                epoch + 1,
-                weights_file,
-                None if best_epoch is None else best_epoch + 1,
+        try:
+            if kind == "epoch":
+                epoch = clean["epoch"]
+                weights_file = weight_name(prefix, epoch, clean["acc1"])
+                weights = (
+                    clean["model"] if clean.get("weights") != "ema" else averaged(clean["ema"])
+                )
+                entry = put(weights_file, lambda tmp: save_checkpoint(weights, tmp))
+                if rotate and LATEST in self.files:
+                    latest = self.files[LATEST]
+                    moves.append([LATEST, PREVIOUS, latest["sha256"], latest["size"]])
+                    files[PREVIOUS] = latest
+                put(LATEST, lambda tmp: save_checkpoint(clean, tmp))
+                if best:
+                    moves.append([weights_file, BEST, entry["sha256"], entry["size"]])
+                    files[BEST] = entry
+                best_epoch = clean["best_epoch"]
+                doomed += stale_weights(
+                    files,
+                    prefix,
+                    keep_last,
+                    epoch + 1,
+                    weights_file,
+                    None if best_epoch is None else best_epoch + 1,
+                )
+            else:
+                put(name, lambda tmp: save_checkpoint(clean, tmp))
+            files[name] |= {
+                "snapshot": clean["snapshot"],
+                "generation": generation,
+                "step": position["step"],
+                "kind": kind,
+                "epoch": position["epoch"],
+                "world_size": clean["world_size"],
+            }
+            steps = {n: e.get("generation") for n, e in files.items() if n.startswith("step-")}
+            doomed += stale_steps(steps, keep_steps, generation)
+            held = files.get(INTERRUPTED)
+            older = held is not None and (
+                held.get("generation") != generation or held.get("step", 0) < position["step"]
             )
-        else:
-            put(name, lambda tmp: save_checkpoint(clean, tmp))
-        files[name] |= {
-            "snapshot": clean["snapshot"],
-            "generation": generation,
-            "step": position["step"],
-            "kind": kind,
-            "epoch": position["epoch"],
-            "world_size": clean["world_size"],
-        }
-        steps = {n: e.get("generation") for n, e in files.items() if n.startswith("step-")}
-        doomed += stale_steps(steps, keep_steps, generation)
-        held = files.get(INTERRUPTED)
-        older = held is not None and (
-            held.get("generation") != generation or held.get("step", 0) < position["step"]
-        )
-        if name != INTERRUPTED and older:
-            doomed.append(INTERRUPTED)
-        for side, data in sides.items():
-            put(side, functools.partial(_write_bytes, data))
+            if name != INTERRUPTED and older:
+                doomed.append(INTERRUPTED)
+            for side, data in sides.items():
+                put(side, functools.partial(_write_bytes, data))
+        except OSError as exc:
+            raise OSError(f"{exc}; nothing committed was changed") from exc
         for gone in doomed:
             files.pop(gone, None)
         manifest: dict[str, Any] = {
@@ -335,14 +346,20 @@ class ObjectStore:
         }
         self._commit(manifest)
         self.files, self.seq = files, self.seq + 1
-        self.roll_forward(manifest, check=False)
-        self._clean_up()
+        self._committed[self.seq] = files[name]["sha256"]
+        try:
+            self.roll_forward(manifest, check=False)
+            self._clean_up()
+        except OSError as exc:
+            raise OSError(
+                f"{self.where(name)} is committed (manifest {self.seq}), but finishing the "
+                f"layout failed: {exc}; a resume finishes it"
+            ) from exc
         logger.info("committed %s (manifest %d)", self.where(name), self.seq)
         return self.where(name)
 
     def _commit(self, manifest: dict[str, Any]) -> None:
-        sha = manifest["files"][manifest["checkpoint"]]["sha256"]
-        base = f"{manifest['seq']:09d}-{manifest['checkpoint']}-{sha[:12]}.json"
+        base = f"{manifest['seq']:09d}.json"
         data = json.dumps(manifest, indent=1).encode()
         # Never overwritten: a second job writing to the prefix fails here, loudly.
         extra = {"IfNoneMatch": "*"} if self.s3 else {}
@@ -358,15 +375,17 @@ class ObjectStore:
                 f"checkpoints to {self.url} too. Give each run its own prefix. "
                 + see("a-directory-holds-another-run")
             ) from None
+        except OSError as exc:
+            raise OSError(f"{exc}; nothing committed was changed") from exc
 
     def roll_forward(self, manifest: Mapping[str, Any], *, check: bool = True) -> None:
         """Make the copies a commit asked for that are not made yet (each at most once).
 
         ``check`` False: the save that committed it makes them all, knowing none is made.
         """
-        for source, target, sha in manifest.get("moves", []):
+        for source, target, sha, size in manifest.get("moves", []):
             if not check:
-                self._copy(source, target)
+                self._copy(source, target, sha, size)
                 continue
             if self._content(target) == sha:
                 continue
@@ -380,25 +399,40 @@ class ObjectStore:
                 )
                 self.files.pop(target, None)
                 continue
-            self._copy(source, target)
+            self._copy(source, target, sha, size)
 
-    def _copy(self, source: str, target: str) -> None:
+    def _copy(self, source: str, target: str, sha: str, size: int) -> None:
+        """A server-side copy that keeps the object's ``sha256``.
+
+        s3fs copies an object above its threshold in parts, which drops the
+        source's metadata: there it is given again.
+        """
+        extra = {}
+        if self.s3 and size > getattr(_s3fs_core(), "MANAGED_COPY_THRESHOLD", 0):
+            extra = {"Metadata": {"sha256": sha}}
         self._retried(
             f"copying {self.where(source)} to {self.where(target)}",
-            functools.partial(self.fs.copy, self._key(source), self._key(target)),
+            functools.partial(self.fs.copy, self._key(source), self._key(target), **extra),
         )
 
     def _clean_up(self) -> None:
         """Delete what the committed layout does not hold: old files, pending copies, manifests."""
-        held = {entry["sha256"][:12] for entry in self.files.values()}
-        for name in self._run_names():
+        held = {entry["sha256"] for entry in self.files.values()}
+        names = self._run_names()
+        for name in names:
             if name.startswith(f"{MANIFESTS}/"):
                 match = _MANIFEST.fullmatch(name.split("/", 1)[1])
-                if match and (match[3] in held or int(match[1]) == self.seq):
+                seq = int(match[1]) if match else None
+                # Kept: the newest, those whose checkpoint the layout holds, and unknown ones.
+                if seq is None or seq == self.seq or self._committed.get(seq, "") in held:
                     continue
+                if seq not in self._committed:
+                    continue
+                del self._committed[seq]
             elif name in self.files:
                 continue
             self._retried(f"deleting {self.where(name)}", functools.partial(self._remove, name))
+        self._present = {n for n in names if n in self.files or "/" in n}
 
     # -- a resume -------------------------------------------------------------------------
 
@@ -419,39 +453,53 @@ class ObjectStore:
         self.check()
         listed = self._manifests()
         if not listed:
-            self.files, self.seq = {}, 0
+            self.files, self.seq, self._committed = {}, 0, {}
+            self._present = set(self._run_names())
             if name is not None:
                 raise CheckpointError(
                     f"{self.where(name)}: {self.url} holds no committed checkpoint"
                 )
             return None
-        newest = self._read(listed[0][1])
+        failed: list[str] = []
+        manifests = []  # newest first; one that cannot be read is passed over, and said
+        for _, base in listed:
+            try:
+                manifests.append(self._read(base))
+            except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
+                failed.append(f"{self.where(MANIFESTS + '/' + base)} ({exc})")
+        if not manifests:
+            raise CheckpointError(
+                f"no manifest of {self.url} can be read: {'; '.join(failed)}. " + see("checkpoints")
+            )
+        newest = manifests[0]
         self.files, self.seq = dict(newest["files"]), int(newest["seq"])
+        self._committed = {
+            int(m["seq"]): str(m["files"][m["checkpoint"]]["sha256"]) for m in manifests
+        }
+        self._present = set(self._run_names())
         self.roll_forward(newest)
         local.mkdir(parents=True, exist_ok=True)
         for side in SIDE_FILES:
             if side in self.files:
                 self._download_checked(side, local / side)
-        failed: list[str] = []
-        wanted = [(name, self.files.get(name or ""))] if name is not None else []
-        if name is not None and (wanted[0][1] is None or "kind" not in (wanted[0][1] or {})):
+        entry = self.files.get(name or "")
+        if name is not None and (entry is None or "kind" not in entry):
             held = sorted(n for n, e in self.files.items() if "kind" in e)
             raise CheckpointError(
                 f"{self.where(name)} is not a committed checkpoint of {self.url}; those "
                 f"committed: {', '.join(held) or 'none'}. " + see("checkpoints")
             )
-        for _, base in listed if name is None else []:
-            try:
-                manifest = newest if base == listed[0][1] else self._read(base)
-                checkpoint = manifest["checkpoint"]
-                wanted.append((checkpoint, dict(manifest["files"][checkpoint])))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                failed.append(f"{self.where(MANIFESTS + '/' + base)} ({exc})")
+        wanted = (
+            [(name, entry)]
+            if name is not None
+            else [(m["checkpoint"], dict(m["files"][m["checkpoint"]])) for m in manifests]
+        )
         for checkpoint, entry in wanted:
             assert entry is not None
             # Where the layout holds this content now: latest.pth's may have moved to previous.pth.
             places = [n for n, e in self.files.items() if e.get("sha256") == entry["sha256"]]
-            for place in dict.fromkeys([*places, checkpoint]):
+            rotated = [PREVIOUS] if entry.get("kind") == "epoch" else []  # a later save's rotation
+            for place in dict.fromkeys([*places, checkpoint, *rotated]):
                 target = temp_path(local / place, hidden=True)
                 try:
                     size, sha = self._download(place, target)
@@ -461,8 +509,8 @@ class ObjectStore:
                 if (size, sha) == (entry["size"], entry["sha256"]):
                     if failed:
                         warnings.warn(
-                            f"{'; '.join(failed)} did not match its manifest; resuming from the "
-                            f"previous complete checkpoint, {self.where(place)}",
+                            f"{'; '.join(failed)}: changed or damaged since its commit; resuming "
+                            f"from the previous complete checkpoint, {self.where(place)}",
                             RuntimeWarning,
                             stacklevel=4,
                         )
@@ -498,8 +546,7 @@ class ObjectStore:
             except Exception as exc:
                 if pause is None:
                     raise OSError(
-                        f"{what} failed {attempt + 1} times, the last: {type(exc).__name__}: "
-                        f"{exc}; nothing committed was changed"
+                        f"{what} failed {attempt + 1} times, the last: {type(exc).__name__}: {exc}"
                     ) from exc
                 logger.warning(
                     "%s failed (%s: %s); retrying in %.1f s", what, type(exc).__name__, exc, pause
@@ -533,14 +580,26 @@ class ObjectStore:
             tmp.unlink(missing_ok=True)
 
     def _content(self, name: str) -> str | None:
-        """The SHA-256 the object ``name`` carries (read without downloading it), or None."""
+        """The SHA-256 of the object ``name``, or None when there is none.
+
+        Read from the ``sha256`` it carries (no download); an object without one
+        (another tool wrote it, or another store) is read and hashed.
+        """
+        key = self._key(name)
         try:
             if self.s3:
-                meta = self._retried(
-                    f"reading {self.where(name)}", lambda: self.fs.metadata(self._key(name))
-                )
-                return str(meta["sha256"]) if "sha256" in meta else None
-            return hashlib.sha256(self.fs.cat_file(self._key(name))).hexdigest()
+                meta = self._retried(f"reading {self.where(name)}", lambda: self.fs.metadata(key))
+                if "sha256" in meta:
+                    return str(meta["sha256"])
+
+            def digest() -> str:
+                hashed = hashlib.sha256()
+                with self.fs.open(key, "rb", block_size=_CHUNK) as f:
+                    while chunk := f.read(_CHUNK):
+                        hashed.update(chunk)
+                return hashed.hexdigest()
+
+            return self._retried(f"reading {self.where(name)}", digest)
         except FileNotFoundError:
             return None
 
@@ -556,13 +615,16 @@ class ObjectStore:
         except FileNotFoundError:
             return []
         names = [key[len(self.root) + 1 :] for key in keys if key.startswith(self.root + "/")]
-        return sorted(
-            n
-            for n in names
-            if is_run_file(n)
-            or n in SIDE_FILES
-            or (n.startswith((f"{MANIFESTS}/", f"{PENDING}/")) and n.count("/") == 1)
-        )
+
+        def ours(name: str) -> bool:
+            folder, _, rest = name.partition("/")
+            if folder == MANIFESTS:
+                return bool(_MANIFEST.fullmatch(rest))
+            if folder == PENDING:
+                return is_run_file(rest) or rest in SIDE_FILES
+            return is_run_file(name) or name in SIDE_FILES
+
+        return sorted(n for n in names if ours(n))
 
     def _manifests(self) -> list[tuple[int, str]]:
         """``(seq, name)`` of every manifest under the prefix, newest first."""
@@ -597,6 +659,11 @@ class ObjectStore:
             or manifest.get("checkpoint") not in manifest["files"]
         ):
             raise ValueError("its files do not name its checkpoint")
+        moves = manifest.get("moves", [])
+        if not isinstance(moves, list) or any(
+            not isinstance(m, list) or len(m) != 4 for m in moves
+        ):
+            raise ValueError("its moves are not [source, target, sha256, size] lists")
         return manifest
 
     def _describe(self, names: Iterable[str]) -> str:
@@ -650,6 +717,12 @@ def _found(name: str, entry: Mapping[str, Any]) -> Found:
         epoch=int(entry["epoch"]),
         world_size=int(entry["world_size"]),
     )
+
+
+def _s3fs_core() -> Any:
+    import s3fs.core
+
+    return s3fs.core
 
 
 def _write_bytes(data: bytes, path: Path) -> None:

@@ -503,7 +503,7 @@ class StepGuard:
                 path = manager.checkpoint("interrupted")
             else:
                 manager.flush()
-                path = manager.latest_path if manager.writes else None
+                path = manager.latest if manager.writes else None
         logger.warning(
             "stopped by %s after step %d%s; resume to continue (exit status %d)",
             stop.detail,

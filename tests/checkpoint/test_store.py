@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -65,7 +67,7 @@ def _train(state: TrainingState, value: float) -> None:
 
 
 def _weight(state: TrainingState) -> float:
-    return float(state.model.weight[0, 0])
+    return float(state.model.weight[0, 0].detach())
 
 
 def _objects(s3: S3Server, url: str) -> list[str]:
@@ -509,3 +511,102 @@ def test_doctor_checks_the_store_and_says_what_run_it_holds(
     status, detail, _ = check_location(str(tmp_path / "new"))
     assert status == "OK"
     assert detail.endswith("writable; no run yet")
+
+
+def test_a_manifest_that_cannot_be_read_gives_way_to_the_one_before(
+    url: str, s3: S3Server, tmp_path: Path
+) -> None:
+    state = _state()
+    manager = CheckpointManager(url, state=state, local_dir=tmp_path / "a")
+    manager.claim()
+    _run(manager, state, 2)
+    root = url.removeprefix("s3://")
+    newest = sorted(n for n in _objects(s3, url) if n.startswith(f"{MANIFESTS}/"))[-1]
+    s3.fs().pipe_file(f"{root}/{newest}", b"{ not json")
+    fresh = _state(seed=1)
+    with pytest.warns(RuntimeWarning, match="previous complete checkpoint") as caught:
+        start = CheckpointManager(url, state=fresh, local_dir=tmp_path / "b").resume()
+    assert newest in str(caught[0].message)
+    assert (start, _weight(fresh)) == (1, 2.0)  # the commit before: epoch 1's
+
+
+def test_two_jobs_on_one_prefix_fail_at_the_second_commit(url: str, tmp_path: Path) -> None:
+    state = _state()
+    first = CheckpointManager(url, state=state, local_dir=tmp_path / "a")
+    first.claim()
+    _run(first, state, 1)
+    jobs = []
+    for side in ("b", "c"):  # two jobs resume the same run
+        resumed = _state(seed=1)
+        manager = CheckpointManager(url, state=resumed, local_dir=tmp_path / side)
+        manager.resume()
+        jobs.append((manager, resumed))
+    for manager, resumed in jobs[:1]:
+        _train(resumed, 5.0)
+        resumed.end_epoch(1, 1)
+        manager.checkpoint("epoch", metrics={"acc1": 1.0})
+    manager, resumed = jobs[1]
+    _train(resumed, 6.0)
+    resumed.end_epoch(1, 1)
+    with pytest.raises(CheckpointError, match="another job commits checkpoints to"):
+        manager.checkpoint("epoch", metrics={"acc1": 1.0})
+    check = _state(seed=2)
+    CheckpointManager(url, state=check, local_dir=tmp_path / "d").resume()
+    assert _weight(check) == 5.0, "the first job's commit stands"
+
+
+def test_copies_in_parts_keep_the_checksum_and_a_failed_copy_is_finished_by_the_resume(
+    url: str, s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs.core
+
+    # Every copy in parts, as s3fs copies objects above 150 MiB (dropping their metadata).
+    monkeypatch.setattr(s3fs.core, "MANAGED_COPY_THRESHOLD", 1000)
+    state = _state()
+    manager = CheckpointManager(url, state=state, local_dir=tmp_path / "a")
+    manager.claim()
+    _run(manager, state, 2)
+    meta = s3.fs().metadata(f"{url[5:]}/previous.pth")
+    assert manager.store is not None
+    assert meta.get("sha256") == manager.store.files["previous.pth"]["sha256"]
+    # The copies after the third commit fail: the save says so, and a resume finishes them.
+    monkeypatch.setattr(manager.store, "_copy", _failing_copy)
+    _train(state, 30.0)
+    state.end_epoch(2, 1)
+    with pytest.raises(
+        OSError, match=r"is committed \(manifest 3\), but finishing the layout failed"
+    ):
+        manager.checkpoint("epoch", metrics={"acc1": 1.0})
+    fresh = _state(seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: the layout is finished
+        assert CheckpointManager(url, state=fresh, local_dir=tmp_path / "b").resume() == 3
+    assert _weight(fresh) == 30.0
+    objects = _objects(s3, url)
+    assert "previous.pth" in objects
+    assert s3.fs().cat_file(f"{url[5:]}/latest.pth") != s3.fs().cat_file(f"{url[5:]}/previous.pth")
+
+
+def _failing_copy(*args: Any) -> None:
+    raise OSError("copying failed (injected)")
+
+
+def test_a_resume_names_a_file_of_the_store_a_local_file_or_is_refused(
+    url: str, s3: S3Server, tmp_path: Path
+) -> None:
+    state = _state()
+    manager = CheckpointManager(url, state=state, local_dir=tmp_path / "a")
+    manager.claim()
+    _run(manager, state, 2)
+    for path, weight in (("previous.pth", 2.0), (f"{url}/latest.pth", 12.0)):
+        fresh = _state(seed=1)
+        CheckpointManager(url, state=fresh, local_dir=tmp_path / "b").resume(path=path)
+        assert _weight(fresh) == weight, path
+    copy = tmp_path / "mine.pth"
+    copy.write_bytes(s3.fs().cat_file(f"{url[5:]}/previous.pth"))
+    fresh = _state(seed=1)
+    CheckpointManager(url, state=fresh, local_dir=tmp_path / "c").resume(path=copy)
+    assert _weight(fresh) == 2.0
+    other = f"s3://{s3.bucket()}/elsewhere/latest.pth"
+    with pytest.raises(CheckpointError, match=re.escape(f"{other} is not under {url}")):
+        CheckpointManager(url, state=_state(), local_dir=tmp_path / "d").resume(path=other)

@@ -103,7 +103,7 @@ def _wait_for_saved(plan: dict[str, Any]) -> None:
     if is_url(plan["dir"]):  # on a store: once a manifest commits it
         store = ObjectStore(plan["dir"])
         while time.monotonic() < deadline:
-            if any(name in base for _, base in store._manifests()):
+            if name in ((store.newest() or {}).get("files") or {}):
                 return
             time.sleep(0.05)
         return
