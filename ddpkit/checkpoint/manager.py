@@ -143,7 +143,7 @@ class CheckpointManager:
             pieces (:class:`~ddpkit.checkpoint.restore.Restored`: every rank's
             totals and stream places as saved, its ``extra``), or None.
         resumed_extra: the resumed checkpoint's ``extra`` (this manager's and its save's).
-        latest_path: ``directory / "latest.pth"``.
+        latest_path: ``directory / "latest.pth"`` (:attr:`latest`: with a store, its URL).
         interrupted_path: ``directory / "interrupted.pth"``.
 
     Example:
@@ -621,6 +621,9 @@ class CheckpointManager:
             agreed = load_remote(self.store, named, self.directory, map_location)
             where = self.store.where(agreed.found.name) if agreed.found is not None else ""
         else:
+            if self.store is not None:  # a local file: later saves go on after the store's commits
+                store = self.store
+                shared(lambda: bool(store.load_layout()[0]))
             local = Path(path) if path is not None else None
             agreed = load_newest(self.directory, local, map_location)
             where = str(path or self.directory / (agreed.found.name if agreed.found else ""))

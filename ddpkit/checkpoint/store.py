@@ -124,6 +124,8 @@ class ObjectStore:
         options = dict(storage_options or {})
         self.s3 = protocol in _S3
         if self.s3:
+            # A client of its own: a cached one keeps the credentials and endpoint it was made with.
+            options.setdefault("skip_instance_cache", True)
             # Each request's own retries stay few: the whole transfer is retried with backoff.
             options.setdefault(
                 "config_kwargs",
@@ -133,7 +135,6 @@ class ObjectStore:
                     "retries": {"max_attempts": 2, "mode": "standard"},
                 },
             )
-            options.setdefault("skip_instance_cache", True)
         self.fs, root = fsspec.core.url_to_fs(url, **options)
         if self.s3:
             self.fs.retries = 2
@@ -451,33 +452,13 @@ class ObjectStore:
                 committed checkpoint, or no committed checkpoint matches its manifest.
         """
         self.check()
-        listed = self._manifests()
-        if not listed:
-            self.files, self.seq, self._committed = {}, 0, {}
-            self._present = set(self._run_names())
+        manifests, failed = self.load_layout()
+        if not manifests:
             if name is not None:
                 raise CheckpointError(
                     f"{self.where(name)}: {self.url} holds no committed checkpoint"
                 )
             return None
-        failed: list[str] = []
-        manifests = []  # newest first; one that cannot be read is passed over, and said
-        for _, base in listed:
-            try:
-                manifests.append(self._read(base))
-            except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
-                failed.append(f"{self.where(MANIFESTS + '/' + base)} ({exc})")
-        if not manifests:
-            raise CheckpointError(
-                f"no manifest of {self.url} can be read: {'; '.join(failed)}. " + see("checkpoints")
-            )
-        newest = manifests[0]
-        self.files, self.seq = dict(newest["files"]), int(newest["seq"])
-        self._committed = {
-            int(m["seq"]): str(m["files"][m["checkpoint"]]["sha256"]) for m in manifests
-        }
-        self._present = set(self._run_names())
-        self.roll_forward(newest)
         local.mkdir(parents=True, exist_ok=True)
         for side in SIDE_FILES:
             if side in self.files:
@@ -526,6 +507,42 @@ class ObjectStore:
             f"no committed checkpoint in {self.url} matches its manifest: {'; '.join(failed)}. "
             + see("checkpoints")
         )
+
+    def load_layout(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """Read the committed layout from the manifests and finish the newest's copies.
+
+        Returns:
+            The manifests, newest first, and one line about each that cannot be read.
+
+        Raises:
+            CheckpointError: manifests exist and none can be read.
+        """
+        listed = self._manifests()
+        failed: list[str] = []
+        manifests = []  # newest first; one that cannot be read is passed over, and said
+        for _, base in listed:
+            try:
+                manifests.append(self._read(base))
+            except (FileNotFoundError, ValueError, KeyError, TypeError) as exc:
+                failed.append(f"{self.where(MANIFESTS + '/' + base)} ({exc})")
+        self._present = set(self._run_names())
+        if not manifests:
+            self.files, self._committed = {}, {}
+            self.seq = listed[0][0] if listed else 0
+            if listed:
+                raise CheckpointError(
+                    f"no manifest of {self.url} can be read: {'; '.join(failed)}. "
+                    + see("checkpoints")
+                )
+            return [], []
+        newest = manifests[0]
+        # The next commit's number follows every manifest there, read or not.
+        self.files, self.seq = dict(newest["files"]), max(seq for seq, _ in listed)
+        self._committed = {
+            int(m["seq"]): str(m["files"][m["checkpoint"]]["sha256"]) for m in manifests
+        }
+        self.roll_forward(newest)
+        return manifests, failed
 
     def newest(self) -> dict[str, Any] | None:
         """The newest manifest (its ``checkpoint`` and ``extra``), or None."""

@@ -196,7 +196,7 @@ def test_a_flaky_store_is_retried_and_a_save_that_finally_fails_touches_no_commi
     proxy = Proxy(s3.port)
     for key, value in s3.env(proxy.endpoint).items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(store_module, "PAUSES", (0.05,) * 5)
+    monkeypatch.setattr(store_module, "PAUSES", (0.05,) * 3)
     url = f"s3://{s3.bucket()}/run"
     state = _state()
     # botocore's own retries left out: each failed request is one of ddpkit's attempts.
@@ -206,7 +206,7 @@ def test_a_flaky_store_is_retried_and_a_save_that_finally_fails_touches_no_commi
     )
     manager.claim()
     _run(manager, state, 1)
-    proxy.fail_next, proxy.cut_next = 2, 2  # 503s, then dropped connections
+    proxy.fail_next, proxy.cut_next = 1, 2  # a 503, then dropped connections
     _train(state, 5.0)
     state.end_epoch(1, 1)
     manager.checkpoint("epoch", metrics={"acc1": 1.0})
@@ -215,7 +215,7 @@ def test_a_flaky_store_is_retried_and_a_save_that_finally_fails_touches_no_commi
     proxy.fail_next = 10**6  # the store is down for good
     _train(state, 6.0)
     state.end_epoch(2, 1)
-    with pytest.raises(OSError, match="failed 6 times"):
+    with pytest.raises(OSError, match="failed 4 times"):
         manager.checkpoint("epoch", metrics={"acc1": 2.0})
     proxy.fail_next = 0
     after = {n: s3.fs().cat_file(f"{url[5:]}/{n}") for n in _objects(s3, url)}
@@ -366,8 +366,8 @@ def test_bad_stores_fail_within_seconds_and_name_the_fix(
     black_hole = CheckpointManager(f"s3://{s3.bucket()}/run", local_dir=tmp_path)
     assert black_hole.store is not None
     started = time.monotonic()
-    with pytest.raises(CheckpointError, match="did not answer within 2 s"):
-        black_hole.store.check(seconds=2)
+    with pytest.raises(CheckpointError, match="did not answer within 1 s"):
+        black_hole.store.check(seconds=1)
     assert time.monotonic() - started < 5
     silent.close()
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
@@ -605,8 +605,15 @@ def test_a_resume_names_a_file_of_the_store_a_local_file_or_is_refused(
     copy = tmp_path / "mine.pth"
     copy.write_bytes(s3.fs().cat_file(f"{url[5:]}/previous.pth"))
     fresh = _state(seed=1)
-    CheckpointManager(url, state=fresh, local_dir=tmp_path / "c").resume(path=copy)
+    local = CheckpointManager(url, state=fresh, local_dir=tmp_path / "c")
+    local.resume(path=copy)
     assert _weight(fresh) == 2.0
+    _train(fresh, 7.0)  # its saves go on after the store's commits
+    fresh.end_epoch(1, 1)
+    local.checkpoint("epoch", metrics={"acc1": 3.0})
+    check = _state(seed=2)
+    assert CheckpointManager(url, state=check, local_dir=tmp_path / "e").resume() == 2
+    assert _weight(check) == 7.0
     other = f"s3://{s3.bucket()}/elsewhere/latest.pth"
     with pytest.raises(CheckpointError, match=re.escape(f"{other} is not under {url}")):
         CheckpointManager(url, state=_state(), local_dir=tmp_path / "d").resume(path=other)
