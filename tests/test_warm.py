@@ -200,7 +200,9 @@ def test_a_script_of_the_shell_python_starts_its_forkserver_workers_from_the_ser
 
 _RANK_SCRIPT = """\
 import os, sys
-print(os.environ["RANK"], os.environ["WORLD_SIZE"], "timm" in sys.modules, sys.argv[1:], flush=True)
+# One write of one line: unbuffered, print() writes each part apart and two ranks' parts mix.
+line = f'{os.environ["RANK"]} {os.environ["WORLD_SIZE"]} {"timm" in sys.modules} {sys.argv[1:]}'
+os.write(1, (line + chr(10)).encode())
 """
 
 

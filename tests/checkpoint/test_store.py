@@ -428,13 +428,13 @@ def test_a_prefix_holding_another_run_is_refused_and_overwrite_clears_it(
 
 
 def _slow_upload(rank: int, world_size: int, url: str, rendezvous: str, local: str) -> float:
-    """A save whose upload outlasts the process group's 2-s timeout, training between."""
+    """A save whose upload outlasts the process group's 1-s timeout, training between."""
     dist.init_process_group(
         "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=2),
+        timeout=timedelta(seconds=1),
     )  # fmt: skip
     try:
-        state = _state(width=32768)
+        state = _state(width=16384)
         manager = CheckpointManager(url, state=state, local_dir=f"{local}{rank}")
         manager.claim()
         started = time.monotonic()
@@ -453,16 +453,16 @@ def _slow_upload(rank: int, world_size: int, url: str, rendezvous: str, local: s
 
 def test_a_slow_upload_times_out_no_collective(s3: S3Server, tmp_path: Path) -> None:
     proxy = Proxy(s3.port)
-    proxy.upload_bytes_per_s = 300_000  # 1.2 MB a save: about 4 s each
+    proxy.upload_bytes_per_s = 300_000  # 0.6 MB a save: about 2 s each
     url = f"s3://{s3.bucket()}/run"
     env = {**s3.env(proxy.endpoint)}
     took = run_distributed(
         _slow_upload, 2, args=(url, str(tmp_path / "rdzv"), str(tmp_path / "local")),
         init=None, env=env, timeout=120,
     )  # fmt: skip
-    assert min(took) > 4, took  # longer than the 2-s timeout, and nobody failed
+    assert min(took) > 2.5, took  # longer than the 1-s timeout, and nobody failed
     with environment(s3.env()):
-        state = _state(width=32768)
+        state = _state(width=16384)
         manager = CheckpointManager(url, state=state, local_dir=tmp_path / "r")
         assert manager.resume(strict_rng=False) == 2
     proxy.close()

@@ -174,7 +174,7 @@ def test_the_flags_take_a_config_file_and_check_the_batch(
 
 def test_checkpoints_on_a_store_resume_on_another_machine(data: Path, tmp_path: Path) -> None:
     """--checkpoints s3://... (moto's S3 server on 127.0.0.1): one epoch, then the second
-    resumed where no local file of the run is; a missing bucket is refused before a step."""
+    resumed where no local file of the run is (the example's test refuses a missing bucket)."""
     from s3_fixtures import S3Server  # type: ignore[import-not-found]
 
     server = S3Server()
@@ -192,9 +192,5 @@ def test_checkpoints_on_a_store_resume_on_another_machine(data: Path, tmp_path: 
         assert code == 0, shown(out)
         assert re.search(r"resuming from latest\.pth \(epoch: end of epoch 1", out), shown(out)
         assert "epoch 2/2" in out, shown(out)
-        code, out = run("third", "--checkpoints", "s3://no-such-bucket-y/own")
-        assert code == 1, shown(out)
-        assert "bucket 'no-such-bucket-y' does not exist" in out, shown(out)
-        assert "Traceback" not in out
     finally:
         server.stop()
