@@ -99,6 +99,7 @@ _LONGEST_FIRST = (
     "examples/test_seresnext_lmdb.py",
     "distributed/test_spawning.py",
     "distributed/test_spawning_restarts.py",
+    "checkpoint/test_store.py",
     "training/test_loop.py",
     "test_testing.py",
     "distributed/test_process_group.py",
