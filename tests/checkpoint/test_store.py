@@ -70,6 +70,15 @@ def _weight(state: TrainingState) -> float:
     return float(state.model.weight[0, 0].detach())
 
 
+def _trained(url: str, local: Path, epochs: int) -> tuple[CheckpointManager, TrainingState]:
+    """A fresh run on the store, ``epochs`` epochs saved (``_run``)."""
+    state = _state()
+    manager = CheckpointManager(url, state=state, local_dir=local)
+    manager.claim()
+    _run(manager, state, epochs)
+    return manager, state
+
+
 def _objects(s3: S3Server, url: str) -> list[str]:
     root = url.removeprefix("s3://")
     return sorted(key[len(root) + 1 :] for key in s3.fs().find(root))
@@ -164,10 +173,7 @@ def test_a_fresh_machine_resumes_bit_exactly_from_the_store(url: str, tmp_path: 
 def test_a_file_that_does_not_match_its_manifest_gives_way_to_the_previous_checkpoint(
     url: str, s3: S3Server, tmp_path: Path
 ) -> None:
-    state = _state()
-    manager = CheckpointManager(url, state=state, local_dir=tmp_path / "a")
-    manager.claim()
-    _run(manager, state, 3)
+    _trained(url, tmp_path / "a", 3)
     root = url.removeprefix("s3://")
     latest = s3.fs().cat_file(f"{root}/latest.pth")
     damaged = latest[:-40] + bytes(40)  # the same size, other bytes: only the checksum tells
@@ -412,10 +418,7 @@ def test_wrong_credentials_are_refused_before_training(tmp_path: Path) -> None:
 def test_a_prefix_holding_another_run_is_refused_and_overwrite_clears_it(
     url: str, s3: S3Server, tmp_path: Path
 ) -> None:
-    state = _state()
-    first = CheckpointManager(url, state=state, local_dir=tmp_path / "a")
-    first.claim()
-    _run(first, state, 1)
+    _trained(url, tmp_path / "a", 1)
     second = CheckpointManager(url, state=_state(), local_dir=tmp_path / "b")
     with pytest.raises(CheckpointError, match=r"holds another run's checkpoints: latest\.pth"):
         second.claim()
@@ -493,10 +496,7 @@ def test_doctor_checks_the_store_and_says_what_run_it_holds(
 ) -> None:
     from ddpkit.cli import main
 
-    state = _state()
-    manager = CheckpointManager(url, state=state, local_dir=tmp_path / "a")
-    manager.claim()
-    _run(manager, state, 1)
+    _trained(url, tmp_path / "a", 1)
     code = main(["doctor", "--master-addr", "127.0.0.1", "--timeout", "0.2", "--checkpoints", url])
     line = next(ln for ln in capsys.readouterr().out.splitlines() if "checkpoints:" in ln)
     assert line.startswith("[ OK ]"), line
@@ -516,10 +516,7 @@ def test_doctor_checks_the_store_and_says_what_run_it_holds(
 def test_a_manifest_that_cannot_be_read_gives_way_to_the_one_before(
     url: str, s3: S3Server, tmp_path: Path
 ) -> None:
-    state = _state()
-    manager = CheckpointManager(url, state=state, local_dir=tmp_path / "a")
-    manager.claim()
-    _run(manager, state, 2)
+    _trained(url, tmp_path / "a", 2)
     root = url.removeprefix("s3://")
     newest = sorted(n for n in _objects(s3, url) if n.startswith(f"{MANIFESTS}/"))[-1]
     s3.fs().pipe_file(f"{root}/{newest}", b"{ not json")
@@ -531,10 +528,7 @@ def test_a_manifest_that_cannot_be_read_gives_way_to_the_one_before(
 
 
 def test_two_jobs_on_one_prefix_fail_at_the_second_commit(url: str, tmp_path: Path) -> None:
-    state = _state()
-    first = CheckpointManager(url, state=state, local_dir=tmp_path / "a")
-    first.claim()
-    _run(first, state, 1)
+    _trained(url, tmp_path / "a", 1)
     jobs = []
     for side in ("b", "c"):  # two jobs resume the same run
         resumed = _state(seed=1)
@@ -562,10 +556,7 @@ def test_copies_in_parts_keep_the_checksum_and_a_failed_copy_is_finished_by_the_
 
     # Every copy in parts, as s3fs copies objects above 150 MiB (dropping their metadata).
     monkeypatch.setattr(s3fs.core, "MANAGED_COPY_THRESHOLD", 1000)
-    state = _state()
-    manager = CheckpointManager(url, state=state, local_dir=tmp_path / "a")
-    manager.claim()
-    _run(manager, state, 2)
+    manager, state = _trained(url, tmp_path / "a", 2)
     meta = s3.fs().metadata(f"{url[5:]}/previous.pth")
     assert manager.store is not None
     assert meta.get("sha256") == manager.store.files["previous.pth"]["sha256"]
@@ -594,10 +585,7 @@ def _failing_copy(*args: Any) -> None:
 def test_a_resume_names_a_file_of_the_store_a_local_file_or_is_refused(
     url: str, s3: S3Server, tmp_path: Path
 ) -> None:
-    state = _state()
-    manager = CheckpointManager(url, state=state, local_dir=tmp_path / "a")
-    manager.claim()
-    _run(manager, state, 2)
+    _trained(url, tmp_path / "a", 2)
     for path, weight in (("previous.pth", 2.0), (f"{url}/latest.pth", 12.0)):
         fresh = _state(seed=1)
         CheckpointManager(url, state=fresh, local_dir=tmp_path / "b").resume(path=path)
