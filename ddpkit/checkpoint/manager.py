@@ -528,29 +528,17 @@ class CheckpointManager:
         return sides
 
     def _write(self, state: dict[str, Any], improved: bool, sides: dict[str, bytes]) -> None:
-        rotate = not self._latest_damaged  # a damaged latest.pth must not become previous.pth
-        if self.store is not None:
-            self.store.save(
-                state,
-                self.directory,
-                prefix=self.prefix,
-                keep_last=self.keep_last,
-                keep_steps=self.keep_steps,
-                best=improved,
-                rotate=rotate,
-                sides=sides,
-            )
-            self._latest_damaged = False
-            return
-        write_files(
-            self.directory,
-            state,
-            prefix=self.prefix,
-            keep_last=self.keep_last,
-            keep_steps=self.keep_steps,
-            best=improved,
-            rotate=rotate,
-        )
+        rules: dict[str, Any] = {
+            "prefix": self.prefix,
+            "keep_last": self.keep_last,
+            "keep_steps": self.keep_steps,
+            "best": improved,
+            "rotate": not self._latest_damaged,  # a damaged latest.pth must not become previous.pth
+        }
+        if self.store is not None:  # the same files and rules, uploaded and committed
+            self.store.save(state, self.directory, sides=sides, **rules)
+        else:
+            write_files(self.directory, state, **rules)
         if state["kind"] == "epoch":
             self._latest_damaged = False
 

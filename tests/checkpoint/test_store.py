@@ -149,7 +149,9 @@ def test_a_store_run_has_a_local_directorys_layout_and_a_copy_of_it_resumes(
 
 def test_a_fresh_machine_resumes_bit_exactly_from_the_store(url: str, tmp_path: Path) -> None:
     state = _state()
-    manager = CheckpointManager(url, state=state, local_dir=tmp_path / "a", every_steps=1)
+    manager = CheckpointManager(
+        url, state=state, local_dir=tmp_path / "a", every_steps=1, extra={"arch": "net"}
+    )
     manager.claim()
     _run(manager, state, 2)
     _train(state, 7.0)
@@ -168,6 +170,8 @@ def test_a_fresh_machine_resumes_bit_exactly_from_the_store(url: str, tmp_path: 
     for got, want in zip(fresh.optimizer.state.values(), momentum, strict=True):
         assert torch.equal(got["momentum_buffer"], want)
     assert resumed.resumed_checkpoint == f"{url}/step-000000005.pth"
+    # What the example compares before a resume, read from the newest manifest.
+    assert resumed.newest_extra() == ("step-000000005.pth", {"arch": "net"})
 
 
 def test_a_file_that_does_not_match_its_manifest_gives_way_to_the_previous_checkpoint(
