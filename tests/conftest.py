@@ -53,6 +53,9 @@ _SERIAL = (
     "distributed/test_hang_report.py",
     "distributed/test_job.py",
     "distributed/test_launchers.py",
+    "distributed/test_membership.py::test_a_global_batch_that_a_world_the_job_can_have_does_not_divide_is_refused",
+    "distributed/test_membership.py::test_a_join_with_another_ddpkit_or_settings_is_refused_and_an_upgrade_is_not",
+    "distributed/test_membership.py::test_a_server_that_alone_has_a_problem_is_refused_on_every_rank",
     "distributed/test_parallel.py",
     "distributed/test_process_group.py",
     "distributed/test_processes.py",
@@ -85,11 +88,20 @@ _SERIAL = (
     "training/test_stragglers.py::test_a_real_rank_reading_3x_slower_is_named_and_a_balanced_run_names_nobody",
 )
 
+# Long multi-process tests that are each a group of their own: a worker runs each alone, so
+# they can run side by side (mostly waiting: for a rendezvous, a lost server, a paced epoch).
+_ALONE = (
+    "distributed/test_membership.py::test_a_server_leaves_and_joins_across_two_hosts_each_sample_once",
+    "distributed/test_membership.py::test_a_join_with_other_settings_is_refused_and_the_others_go_on",
+    "distributed/test_membership.py::test_a_server_leaves_and_joins_on_the_loopback_each_sample_once",
+)
+
 # The longest groups, longest first (their seconds on the 2-core machine, docs/testing.md):
 # they start first, and the short tests fill in after them, so the workers end
 # together instead of one finishing a long group alone. Then the other groups, then
 # every single test, each in the order collected.
 _LONGEST_FIRST = (
+    *_ALONE,
     "examples/test_seresnext_lmdb_faults.py",
     "training/test_fault_tolerance.py",
     "docs/quickstart.md",
@@ -152,6 +164,8 @@ def _group(nodeid: str) -> str | None:
     """
     name, _, test = nodeid.split("@")[0].partition("::")
     name = name.removeprefix("tests/")
+    if f"{name}::{test}" in _ALONE:
+        return f"{name}::{test}"
     if name not in _SERIAL and f"{name}::{test.split('[')[0]}" not in _SERIAL:
         return None
     if name == "docs/test_doc_code.py" and test.startswith("test_doc_block_runs["):

@@ -109,6 +109,8 @@ class Found:
         kind: ``"epoch"``, ``"step"`` or ``"interrupted"``.
         epoch: the epoch it resumes in.
         world_size: ranks that saved it.
+        job: the launcher's name for the job that saved it
+            (:func:`~ddpkit.distributed.launchers.launcher_job`), or None.
     """
 
     name: str
@@ -118,6 +120,7 @@ class Found:
     kind: str
     epoch: int
     world_size: int
+    job: str | None = None
 
     @property
     def order(self) -> tuple[int, int, int]:
@@ -171,6 +174,7 @@ def read_header(path: Path) -> Found:
         kind=kind,
         epoch=position.epoch,
         world_size=position.world_size,
+        job=state["job"] if isinstance(state.get("job"), str) else None,
     )
 
 

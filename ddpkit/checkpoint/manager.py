@@ -26,6 +26,7 @@ from torch import nn
 
 from ddpkit import _graveyard
 from ddpkit._docs import see
+from ddpkit._version import __version__
 from ddpkit.checkpoint.background import BackgroundWriter, snapshot
 from ddpkit.checkpoint.cadence import SaveCadence, SaveClock
 from ddpkit.checkpoint.files import (
@@ -39,7 +40,7 @@ from ddpkit.checkpoint.files import (
     write_files,
 )
 from ddpkit.checkpoint.outcomes import describe_error, raise_earlier_failure, share_outcome
-from ddpkit.checkpoint.restore import Restored, restore_state
+from ddpkit.checkpoint.restore import Restored, check_extra, restore_state
 from ddpkit.checkpoint.serialization import CheckpointError, MapLocation, check_saveable
 from ddpkit.checkpoint.state import TrainingState
 from ddpkit.checkpoint.store import SIDE_FILES, ObjectStore, is_url
@@ -52,6 +53,8 @@ from ddpkit.checkpoint.sync import (
     shared,
 )
 from ddpkit.distributed.comm import all_gather_object, get_local_rank, get_rank, get_world_size
+from ddpkit.distributed.launchers import launcher_job
+from ddpkit.distributed.membership import refuse_strangers
 from ddpkit.position import Position
 from ddpkit.rng import capture_rng_state
 
@@ -380,8 +383,8 @@ class CheckpointManager:
         metrics = dict(metrics or {})
         extra = {**self.extra, **state.extra, **(extra or {})}
         check_saveable({"metrics": metrics, "extra": extra})  # the same on all ranks
-        if self._generation is None:  # the first save of a fresh run: the directory is its own
-            self.claim()
+        if self._generation is None and self.claim():  # this job's files, not resumed
+            self._generation = self._next_generation()
         assert self._generation is not None
         acc1 = float(metrics["acc1"]) if "acc1" in metrics else None
         # The weight file holds the better of the model and its average, as measured.
@@ -419,6 +422,8 @@ class CheckpointManager:
                 **pieces,
                 "weights": "ema" if use_ema else "model",
                 "world_size": get_world_size(),
+                "job": launcher_job(),
+                "ddpkit": __version__,
                 "rng": [g[0] for g in gathered],
                 "loop": [g[1] for g in gathered],
                 "loader": [g[2] for g in gathered],
@@ -472,7 +477,7 @@ class CheckpointManager:
         reports = all_gather_object(describe_error(failed), patient=self.store is not None)
         raise_earlier_failure(failed, reports, self._writer)
 
-    def claim(self) -> None:
+    def claim(self) -> bool:
         """Make the directory (or the store's prefix) this fresh run's, before it trains.
 
         Refuses another run's files there, or with ``overwrite`` deletes them;
@@ -481,16 +486,29 @@ class CheckpointManager:
         ``StepGuard.resume`` call this at the start of a fresh run; the first
         save does otherwise. All ranks must call this, or it deadlocks.
 
+        Returns:
+            True, touching nothing, when the newest checkpoint there was saved by
+            this same launcher job (``torchrun --rdzv-id``): torchrun started
+            the workers again after a server joined or left, which it does not
+            count as a restart; resume (:meth:`resume`) instead. False when
+            the directory is now this fresh run's.
+
         Raises:
             CheckpointError: another run's files are there (and not
                 ``overwrite``), or the store cannot be used; on every rank.
         """
+        job = launcher_job()
         if self.store is None:
-            claim_directory(self.directory, writes=self.writes, overwrite=self.overwrite)
+            if claim_directory(
+                self.directory, writes=self.writes, overwrite=self.overwrite, job=job
+            ):
+                return _continuing(job)
             self._generation = next_generation(self.directory)
-            return
+            return False
         store, overwrite = self.store, self.overwrite
-        other = shared(lambda: store.claim(overwrite))
+        other = shared(lambda: store.claim(overwrite, job))
+        if other is True:
+            return _continuing(job)
         if other is not None:
             raise CheckpointError(
                 f"{self.url} holds another run's checkpoints: {other}. A fresh run would "
@@ -499,6 +517,19 @@ class CheckpointManager:
                 + see("a-directory-holds-another-run")
             )
         self._generation = 1
+        return False
+
+    def _next_generation(self) -> int:
+        """One more than any generation saved here: a new line of saves. A collective."""
+        if self.store is None:
+            return next_generation(self.directory)
+        store = self.store
+
+        def newest() -> int:
+            store.load_layout()
+            return max((int(e.get("generation", 0)) for e in store.files.values()), default=0)
+
+        return shared(newest) + 1
 
     @property
     def latest(self) -> str:
@@ -622,13 +653,9 @@ class CheckpointManager:
             self.resumed = None
             return 0
         self.resumed_checkpoint = where
+        _check_joined(agreed.state, where, self.extra)
         restored = restore_state(
-            agreed.state,
-            agreed.found,
-            training,
-            strict_rng,
-            where=self.resumed_checkpoint,
-            expected=self.extra,
+            agreed.state, agreed.found, training, strict_rng, where=self.resumed_checkpoint
         )
         self.resumed, self.resumed_extra = restored, restored.extra or {}
         self.best_acc1, self._best_epoch = restored.best_acc1, restored.best_epoch
@@ -648,6 +675,48 @@ class CheckpointManager:
                 "resuming from %s (read on rank %d)", agreed.found.describe(), agreed.source
             )
         return restored.position.epoch
+
+
+def _check_joined(state: Mapping[str, Any], where: str, extra: Mapping[str, Any]) -> None:
+    """Every rank may train on from ``state``: the same ddpkit and the checkpoint's ``extra``.
+
+    A collective. A server whose ranks alone differ joined with something the
+    run does not have: it is refused (:func:`refuse_strangers`) and the others
+    go on; the same difference on every server is the run's own: a resume
+    with other settings is refused as ever, another ddpkit on all of them is
+    an upgrade.
+
+    Raises:
+        CheckpointError: every server's settings differ from the checkpoint's.
+        JoinRefused: some servers differ from the others.
+    """
+    versions = all_gather_object(__version__)
+    saved = state.get("ddpkit")
+    if len(set(versions)) > 1:
+        wanted = saved if saved in versions else versions[0]
+        mine = None
+        if __version__ != wanted:
+            mine = f"ddpkit {__version__}, and the run trains with ddpkit {wanted}"
+        refuse_strangers(mine)
+    problem = None
+    saved_extra = state.get("extra")
+    try:
+        check_extra(where, saved_extra if isinstance(saved_extra, dict) else {}, extra)
+    except CheckpointError as exc:
+        problem = str(exc)
+    agreed = refuse_strangers(problem)
+    if agreed is not None:
+        raise CheckpointError(agreed)
+
+
+def _continuing(job: str | None) -> bool:
+    if get_rank() == 0:
+        logger.info(
+            "continuing job %s: its checkpoints are here (torchrun started the workers again "
+            "after a server joined or left)",
+            job,
+        )
+    return True
 
 
 def _in_store(url: str, path: str | os.PathLike[str]) -> bool:

@@ -216,15 +216,19 @@ class ObjectStore:
             )
         return f"{self.url}: {why}. {see('the-object-store-cannot-be-reached')}"
 
-    def claim(self, overwrite: bool) -> str | None:
+    def claim(self, overwrite: bool, job: str | None = None) -> str | bool | None:
         """Check the store, then refuse or remove another run's files under the prefix.
 
         Returns:
-            None when the prefix is free (or was cleared, ``overwrite``); else one
-            line about the run found there, for the refusal.
+            True, touching nothing, when the newest checkpoint there was saved by
+            this same launcher ``job`` (the run continues); None when the prefix
+            is free (or was cleared, ``overwrite``); else one line about the run
+            found there, for the refusal.
         """
         self.check()
         names = self._run_names()
+        if names and job is not None and self._newest_job() == job:
+            return True
         if names and not overwrite:
             return self._describe(names)
         for name in names:
@@ -320,6 +324,7 @@ class ObjectStore:
                 "kind": kind,
                 "epoch": position["epoch"],
                 "world_size": clean["world_size"],
+                "job": clean.get("job"),
             }
             steps = {n: e.get("generation") for n, e in files.items() if n.startswith("step-")}
             doomed += stale_steps(steps, keep_steps, generation)
@@ -683,6 +688,16 @@ class ObjectStore:
             raise ValueError("its moves are not [source, target, sha256, size] lists")
         return manifest
 
+    def _newest_job(self) -> str | None:
+        """The launcher job that committed the newest checkpoint, or None."""
+        listed = self._manifests()
+        try:
+            manifest = self._read(listed[0][1]) if listed else {}
+            job = manifest["files"][manifest["checkpoint"]].get("job") if manifest else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return job if isinstance(job, str) else None
+
     def _describe(self, names: Iterable[str]) -> str:
         listed = self._manifests()
         shown = ", ".join(list(names)[:6])
@@ -733,6 +748,7 @@ def _found(name: str, entry: Mapping[str, Any]) -> Found:
         kind=str(entry["kind"]),
         epoch=int(entry["epoch"]),
         world_size=int(entry["world_size"]),
+        job=entry["job"] if isinstance(entry.get("job"), str) else None,
     )
 
 

@@ -243,19 +243,32 @@ def extra_of(path: Path) -> dict[str, Any] | None:
     return extra if isinstance(extra, dict) else {}
 
 
-def claim_directory(directory: Path, *, writes: bool, overwrite: bool) -> None:
+def claim_directory(
+    directory: Path, *, writes: bool, overwrite: bool, job: str | None = None
+) -> bool:
     """Refuse (or, with ``overwrite``, remove) another run's files in the writing ranks' directory.
 
     All ranks must call this, or it deadlocks; each rank that ``writes``
     looks in its own ``directory``, and a refusal is raised on every rank.
 
+    Returns:
+        True, touching nothing, when a rank's newest checkpoint was saved by
+        this same launcher ``job``: the run continues, and is resumed
+        instead; False when the directory is now this fresh run's.
+
     Raises:
         CheckpointError: a run's files are there and ``overwrite`` is False.
     """
     files = run_files(directory) if writes else []
-    line = describe_run(directory, files) if files and not overwrite else None
-    views = all_gather_object((get_rank(), files, line))
-    taken = [(rank, names, what) for rank, names, what in views if names]
+    ours = False
+    if files and job is not None:
+        newest = max(scan(directory)[0], key=lambda f: f.order, default=None)
+        ours = newest is not None and newest.job == job
+    line = describe_run(directory, files) if files and not overwrite and not ours else None
+    views = all_gather_object((get_rank(), files, line, ours))
+    if any(view[3] for view in views):
+        return True
+    taken = [(rank, names, what) for rank, names, what, _ in views if names]
     if taken and not overwrite:
         rank, names, what = taken[0]
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
@@ -271,6 +284,7 @@ def claim_directory(directory: Path, *, writes: bool, overwrite: bool) -> None:
         logger.warning(
             "overwrite: removed the previous run's %s from %s", ", ".join(files), directory
         )
+    return False
 
 
 def next_generation(directory: Path) -> int:

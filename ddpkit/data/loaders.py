@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import multiprocessing
 import multiprocessing.context
 import numbers
@@ -36,6 +37,7 @@ from ddpkit.distributed import comm
 from ddpkit.distributed.devices import cpu_share
 from ddpkit.distributed.job import DistInfo
 from ddpkit.distributed.launchers import local_world_size
+from ddpkit.distributed.membership import elastic_worlds
 
 __all__ = ["build_loader"]
 
@@ -47,7 +49,9 @@ def _job_shape(info: DistInfo | None) -> tuple[int, int, int]:
     return comm.get_world_size(), comm.get_rank(), local_world_size()
 
 
-def _per_process_batch(batch_size: int | None, global_batch_size: int | None, world: int) -> int:
+def _per_process_batch(
+    batch_size: int | None, global_batch_size: int | None, world: int, local_world: int = 1
+) -> int:
     if (batch_size is None) == (global_batch_size is None):
         raise ValueError(
             "pass exactly one of batch_size (per process) and global_batch_size "
@@ -63,6 +67,19 @@ def _per_process_batch(batch_size: int | None, global_batch_size: int | None, wo
         raise ValueError(
             f"global_batch_size={global_batch_size} does not divide over {world} processes; "
             f"use {' or '.join(map(str, nearest))}, or pass batch_size={max(per, 1)} per process"
+        )
+    # Servers may leave and join (torchrun --nnodes MIN:MAX): the batch must divide over every
+    # world the job can have, or the first leave or join would stop it.
+    worlds = elastic_worlds(local_world)
+    odd = [w for w in worlds if global_batch_size % w]
+    if odd:
+        every = math.lcm(*worlds)
+        low = global_batch_size // every * every
+        nearest = [v for v in (low, low + every) if v > 0]
+        raise ValueError(
+            f"global_batch_size={global_batch_size} does not divide over {odd[0]} processes, a "
+            f"world this job can have as servers leave and join (world sizes {worlds}): use a "
+            f"multiple of {every}, such as {' or '.join(map(str, nearest))}"
         )
     return per
 
@@ -362,7 +379,7 @@ def build_loader(
         None if v is None else int(v) for v in (batch_size, global_batch_size, prefetch_factor)
     )
     world, rank, local_world = _job_shape(info)
-    per_process = _per_process_batch(batch_size, global_batch_size, world)
+    per_process = _per_process_batch(batch_size, global_batch_size, world, local_world)
     workers = _default_workers(local_world) if workers is None else int(workers)
     seed = int(seed)
     drop_last = train if drop_last is None else drop_last

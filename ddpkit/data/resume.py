@@ -40,6 +40,7 @@ from ddpkit.data.streams import (
     state_holder,
 )
 from ddpkit.distributed import comm
+from ddpkit.distributed.membership import refuse_strangers
 from ddpkit.position import Position
 from ddpkit.rng import capture_rng_state, restore_rng_state
 
@@ -669,7 +670,12 @@ def resume_verdict(
     The change is :func:`data_change`'s, the misfit :func:`check_start`'s.
     Each rank judges its own data, and every rank of the process group gets
     the same verdict (the first rank's that found one, named when the ranks
-    differ), so all resume, move on or stop together: a collective.
+    differ), so all resume, move on or stop together: a collective. A server
+    whose ranks alone found one joined with other data: it is refused
+    (:func:`~ddpkit.distributed.membership.refuse_strangers`), and the others go on.
+
+    Raises:
+        JoinRefused: some servers' data differ from the others'.
     """
     change = data_change(start, getattr(loader, "dataset", None), loader_seed(loader), rank)
     misfit = None
@@ -678,18 +684,7 @@ def resume_verdict(
             check_start(loader, start, world_size)
         except ValueError as exc:
             misfit = str(exc)
-    if comm.get_world_size() < 2:
-        return change, misfit
-    verdicts = comm.all_gather_object((change, misfit))
-    return tuple(_agreed([v[i] for v in verdicts]) for i in (0, 1))  # type: ignore[return-value]
-
-
-def _agreed(found: Sequence[str | None]) -> str | None:
-    """The first rank's finding; named by rank when not every rank found the same."""
-    for rank, text in enumerate(found):
-        if text is not None:
-            return text if all(f == text for f in found) else f"on rank {rank}, {text}"
-    return None
+    return refuse_strangers(change), refuse_strangers(misfit)
 
 
 def check_start(loader: Iterable[Any], start: Position, world_size: int) -> None:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
     from ddpkit.distributed.interfaces import NetworkConfigError as NetworkConfigError
     from ddpkit.distributed.job import DistInfo as DistInfo
     from ddpkit.distributed.launchers import launched_by as launched_by
+    from ddpkit.distributed.membership import JoinRefused as JoinRefused
     from ddpkit.distributed.network import NetworkPlan as NetworkPlan
     from ddpkit.distributed.network import configure_network as configure_network
     from ddpkit.distributed.network import plan_network as plan_network

@@ -21,6 +21,7 @@ __all__ = [
     "detect_launcher",
     "expand_hostlist",
     "launched_by",
+    "launcher_job",
     "local_world_size",
     "master_endpoint",
     "parse_port",
@@ -48,6 +49,7 @@ class LaunchEnv:
             not create it.
         run_id: torchelastic's run id (``TORCHELASTIC_RUN_ID``), or "".
         restart_count: how often torchelastic restarted the workers.
+        max_restarts: torchrun's ``--max-restarts`` (``TORCHELASTIC_MAX_RESTARTS``), or None.
         variables: the environment variables this was read from.
     """
 
@@ -62,6 +64,7 @@ class LaunchEnv:
     store_is_external: bool = False
     run_id: str = ""
     restart_count: int = 0
+    max_restarts: int | None = None
     variables: tuple[tuple[str, str], ...] = ()
 
 
@@ -120,6 +123,22 @@ def launched_by() -> str | None:
     return None if found is None else found.launcher
 
 
+def launcher_job(environ: Mapping[str, str] | None = None) -> str | None:
+    """The launcher's name for this job: the same in all its processes and across its restarts.
+
+    torchrun's ``--rdzv-id`` (``TORCHELASTIC_RUN_ID``; ``--standalone`` makes one
+    up per torchrun). None: not torchrun, or its default id ``none``, which every
+    job started without one shares. A checkpoint records it, so a worker that
+    torchrun starts again after a server joined (``TORCHELASTIC_RESTART_COUNT``
+    stays 0: a membership change is not a restart) continues its job's run.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    job = env.get("TORCHELASTIC_RUN_ID", "")
+    return None if job in ("", "none") else job
+
+
 def _torchrun(env: Mapping[str, str]) -> LaunchEnv:
     rank = _int(env, "RANK")
     world_size = _int(env, "WORLD_SIZE")
@@ -138,6 +157,9 @@ def _torchrun(env: Mapping[str, str]) -> LaunchEnv:
         store_is_external=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         run_id=env.get("TORCHELASTIC_RUN_ID", ""),
         restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS")
+        if "TORCHELASTIC_MAX_RESTARTS" in env
+        else None,
         variables=_pick(env, "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
     )
 

@@ -24,6 +24,7 @@ from ddpkit._docs import see
 from ddpkit.distributed import devices
 from ddpkit.distributed.job import DistInfo, JobPlan, as_timeout, resolve_job, restore_environ
 from ddpkit.distributed.launchers import detect_launcher, master_endpoint
+from ddpkit.distributed.membership import elastic_warnings, find_agent
 from ddpkit.distributed.network import plan_network
 from ddpkit.distributed.recorder import enable_recorder
 from ddpkit.distributed.rendezvous import RendezvousError, join, open_store
@@ -232,6 +233,9 @@ def join_job(
         info.backend,
         info.device,
     )
+    if info.local_rank == 0:  # what would break a server's join, once per server
+        for line in elastic_warnings(detect_launcher(), find_agent()):
+            logger.warning(line)
     return info
 
 

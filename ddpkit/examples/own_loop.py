@@ -78,10 +78,9 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     # block waits until the last checkpoint is on disk.
     with ddpkit.StepGuard(manager, config=config) as guard:
         # A fresh run claims the directory (or store) now: another run's files, a wrong
-        # bucket or credentials are refused before the first step.
-        first = guard.resume(train_loader) if args.resume else 0
-        if not args.resume:
-            manager.claim()
+        # bucket or credentials are refused before the first step; this same torchrun job's
+        # (its workers started again after a server joined) are resumed.
+        first = guard.resume(train_loader) if args.resume or manager.claim() else 0
         for epoch in range(first, args.epochs):
             model.train()
             part = guard.batches(train_loader, epoch)  # set_epoch, and where a resume stood

@@ -132,8 +132,10 @@ def train(
         extra=record(args, classes, MODEL_FLAGS + SAMPLE_FLAGS),
     )
     run_config = ddpkit.CommandLine.resolved(args)
-    # A restarted process (torchrun --max-restarts, --max-restarts) continues the run.
-    resume = args.resume or info.restart_count > 0
+    # A restarted process (torchrun --max-restarts, --max-restarts) continues the run. After
+    # a server joined, torchrun's count is the surviving servers' and the new one's is 0:
+    # any rank's decides for all.
+    resume = args.resume or any(ddpkit.all_gather_object(info.restart_count > 0))
     if resume is True:  # a named file may be of another run: its rates are its own
         warn_changed_settings(checkpoints, run_config)
     history = ddpkit.fit(

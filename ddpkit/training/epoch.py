@@ -87,7 +87,8 @@ def train_epoch(
     on_gpu = getattr(getattr(loader, "dataset", None), "decode", None) == "cuda"
     cpu_before = gpu_decode.cpu_decoded()
     state.model.train()
-    totals = _Totals.carried_over(carried or {}, dev)
+    split = [comm.get_world_size(), getattr(loader, "batch_size", None) or 0, config.grad_accum]
+    totals = _Totals.carried_over(carried or {}, dev, split)
     if dev.type == "cuda":  # the record's peak memory is this epoch's
         torch.cuda.reset_peak_memory_stats(dev)
     progress = _Progress(run.reporter, part.total, part.done, epoch, epochs, dev)
@@ -153,21 +154,35 @@ class _Totals:
     (:meth:`carried_over`), so a resumed epoch reports what an unbroken one would.
     """
 
-    def __init__(self, loss_sum: torch.Tensor, samples: int, before: float, waited: float) -> None:
+    def __init__(
+        self,
+        loss_sum: torch.Tensor,
+        samples: int,
+        before: float,
+        waited: float,
+        splits: list[list[int]] | None = None,
+    ) -> None:
         self.loss_sum, self.samples, self.before, self.waited = loss_sum, samples, before, waited
         self.began = time.perf_counter()
         self.peak_mb = 0.0
+        # How each step's samples were split, [world size, per-process batch, accumulation],
+        # one entry per change within the epoch (a server left or joined).
+        self.splits = splits or []
 
     @classmethod
-    def carried_over(cls, carried: dict[str, Any], dev: torch.device) -> _Totals:
+    def carried_over(cls, carried: dict[str, Any], dev: torch.device, split: list[int]) -> _Totals:
         loss_sum = torch.full(
             (), float(carried.get("loss_sum", 0.0)), dtype=torch.float64, device=dev
         )
+        splits = [list(map(int, s)) for s in carried.get("splits") or []]
+        if not splits or splits[-1] != split:
+            splits.append(split)
         return cls(
             loss_sum,
             int(carried.get("samples", 0)),
             float(carried.get("seconds", 0.0)),
             float(carried.get("data_seconds", 0.0)),
+            splits,
         )
 
     def timed(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -197,6 +212,7 @@ class _Totals:
             "samples": self.samples,
             "data_seconds": self.waited,
             "seconds": self.seconds(),
+            "splits": self.splits,
         }
 
     def record(
@@ -229,6 +245,8 @@ class _Totals:
             "epoch": epoch + 1,  # what a person reads counts from 1: the bar, lines, files
             "train_loss": float(total[0].item()) / max(global_samples, 1),
             "train_samples": global_samples,
+            "world_sizes": [split[0] for split in self.splits],  # a server left or joined: more
+            "batch_splits": self.splits,
             "train_images_per_sec": global_samples / max(seconds, 1e-9),
             "lr": float(rate),  # of the epoch's last step
             "seconds": seconds,

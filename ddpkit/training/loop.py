@@ -36,6 +36,7 @@ from ddpkit.data.streams import check_batches
 from ddpkit.distributed import comm
 from ddpkit.distributed.devices import module_device
 from ddpkit.distributed.hang_report import is_collective_failure, report_collective_failure
+from ddpkit.distributed.launchers import detect_launcher
 from ddpkit.distributed.parallel import sync_buffers
 from ddpkit.position import Position
 from ddpkit.training.config import FaultConfig, ReportConfig, TrainConfig
@@ -180,9 +181,9 @@ def fit(
         # Set-up: the guard (stops, the watchdog), the resume, the reporter.
         run = _start(stack, state, criterion, config, dev, checkpoints, report, faults)
         run.step_callbacks = step_callbacks
-        start, carried = _resume(run, resume, train_loader)
-        _open_report(run, report, start, epochs, train_loader, val_loader)
         try:
+            start, carried = _resume(run, resume, train_loader)
+            _open_report(run, report, start, epochs, train_loader, val_loader)
             # The epochs.
             first = start.epoch if start is not None else 0
             for epoch in range(first, epochs):
@@ -249,10 +250,10 @@ def _resume(
     manager = run.guard.checkpoints
     if manager is None:
         return None, None
-    if resume is False:  # a fresh run: another run's files are refused before it trains
-        manager.claim()
-    else:
-        guard.resume(loader, path=None if resume is True else resume)
+    # A fresh run claims the directory: another run's files are refused before it trains,
+    # and this same job's (torchrun started its workers again after a server joined) resumed.
+    if resume is not False or manager.claim():
+        guard.resume(loader, path=None if isinstance(resume, bool) else resume)
     if run.profiler is not None:
         run.profiler.at(run.guard.step)
     if manager.resumed is None:
@@ -390,7 +391,9 @@ def _end(run: Run, history: History) -> None:
 
 
 def _explain(run: Run, error: BaseException) -> None:
-    """For a failed collective, this rank's report (the guard's end completes the checkpoint)."""
+    """For a failed collective, this rank's report (the guard's end completes the checkpoint);
+    under torchrun with no restart left, a line saying the job ends and where it stands."""
+    _last_restart(run, error)
     where = run.guard.report_dir or run.reporter.config.log_dir
     rank, world = comm.get_rank(), comm.get_world_size()
     if world > 1 and where is not None and is_collective_failure(error):
@@ -401,6 +404,25 @@ def _explain(run: Run, error: BaseException) -> None:
         else:
             if path is not None:
                 logger.error("rank %d: its last collectives and stack: %s", rank, path)
+
+
+def _last_restart(run: Run, error: BaseException) -> None:
+    """Say so when this failure ends a torchrun job: its ``--max-restarts`` are used up."""
+    launch = detect_launcher()
+    if not isinstance(error, Exception) or launch is None:  # Preempted: a SystemExit
+        return
+    if launch.max_restarts is None or launch.restart_count < launch.max_restarts:
+        return
+    if launch.local_rank != 0:  # one line per server
+        return
+    manager = run.guard.checkpoints
+    kept = f"its newest checkpoint in {manager.location} is intact" if manager else "no checkpoints"
+    logger.error(
+        "torchrun --max-restarts %d: every restart is used, so this failure ends the job on "
+        "this server; %s: start it again with --resume (fit(resume=True)) to continue",
+        launch.max_restarts,
+        kept,
+    )
 
 
 def _val_record(val: dict[str, Any], loader: Iterable[Any]) -> dict[str, Any]:
@@ -418,18 +440,22 @@ def _val_record(val: dict[str, Any], loader: Iterable[Any]) -> dict[str, Any]:
 
 
 def _carried(loop: Any, start: Position | None, world: int, rank: int) -> Any:
-    """This rank's running totals of the resumed epoch (all of them on rank 0 if ranks changed)."""
+    """This rank's running totals of the resumed epoch (the sums on rank 0 if ranks changed)."""
     if not loop or start is None or not start.mid_epoch:
         return None
     if start.world_size == world:
         return loop[rank]
-    if rank != 0:
-        return None
     entries = [e for e in loop if e]
-    return {key: sum(e.get(key, 0) for e in entries) for key in ("loss_sum", "samples")} | {
+    # Every rank: the epoch's splits so far (older checkpoints: the saving world size's) and
+    # its time; rank 0: the sums.
+    splits = entries[0].get("splits") if entries else None
+    kept = {"splits": splits or [[start.world_size, 0, 0]]} | {
         key: max((e.get(key, 0.0) for e in entries), default=0.0)
         for key in ("seconds", "data_seconds")
     }
+    if rank != 0:
+        return kept
+    return kept | {key: sum(e.get(key, 0) for e in entries) for key in ("loss_sum", "samples")}
 
 
 def _header(world: int, epochs: int, config: TrainConfig, loader: Any) -> dict[str, Any]:

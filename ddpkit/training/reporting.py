@@ -61,6 +61,9 @@ def epoch_line(record: dict[str, Any], epochs: int | None = None) -> str:
         parts.append(f"data wait {wait:.0%}")
     if "wall_seconds" in record:
         parts.append(f"{record['wall_seconds']:.1f} s")
+    changed = _world_change(record.get("batch_splits"))
+    if changed:
+        parts.append(changed)
     data_s = record.get("rank_data_s")
     if isinstance(data_s, list) and data_s:
         parts.append(
@@ -84,6 +87,22 @@ def epoch_line(record: dict[str, Any], epochs: int | None = None) -> str:
             "(decode='tensor'), or a copy of the LMDB on a local disk"
         )
     return line
+
+
+def _world_change(splits: Any) -> str | None:
+    """``world sizes [2, 1]: ...``: how the steps were split when a server left or joined."""
+    if not isinstance(splits, list) or len(splits) < 2:
+        return None
+    sizes = [s[0] for s in splits]
+    shown = " then ".join(
+        f"{w} x {b}" + (f" x {a} accumulated" if a > 1 else "") for w, b, a in splits
+    )
+    if not all(b for _, b, _ in splits):
+        return f"world sizes {sizes}"
+    per_step = {w * b * a for w, b, a in splits}
+    what = "per-process batch" if len({a for *_, a in splits}) == 1 else "accumulation steps"
+    each = f"{per_step.pop()} samples a step" if len(per_step) == 1 else "steps of other sizes"
+    return f"world sizes {sizes}: {each}, as {shown} (the {what} changed)"
 
 
 class Reporter:

@@ -361,6 +361,36 @@ def test_a_fresh_run_refuses_another_runs_directory(tmp_path: Path, kind: str, s
     ).read_bytes()
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_restarted_worker_of_the_same_torchrun_job_continues_instead_of_claiming(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overwrite: bool
+) -> None:
+    # torchrun starts its workers again after a server joins with TORCHELASTIC_RESTART_COUNT=0:
+    # the checkpoints its job wrote (its --rdzv-id recorded) are resumed, never refused or
+    # deleted; another job's are refused as ever.
+    from ddpkit.checkpoint.files import read_header
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    directory = tmp_path / "run"
+    _run_files(directory, "interrupted")
+    assert read_header(directory / "interrupted.pth").job == "job-7"
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    model, optimizer, _, _ = _setup(2)
+    again = CheckpointManager(directory, overwrite=overwrite, state=TrainingState(model, optimizer))
+    assert again.claim() is True
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    assert again.resume() == 2  # interrupted.pth: in epoch 3
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-8")
+    other = CheckpointManager(directory, state=TrainingState(model, optimizer))
+    with pytest.raises(CheckpointError, match="holds another run's checkpoints"):
+        other.claim()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default names no job
+    with pytest.raises(CheckpointError, match="holds another run's checkpoints"):
+        CheckpointManager(directory, state=TrainingState(model, optimizer)).claim()
+
+
 @pytest.mark.parametrize("kind", ["empty", "unrelated", "missing"])
 def test_a_fresh_run_takes_a_directory_without_a_run(tmp_path: Path, kind: str) -> None:
     directory = tmp_path / "run"

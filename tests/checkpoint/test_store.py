@@ -420,9 +420,18 @@ def test_wrong_credentials_are_refused_before_training(tmp_path: Path) -> None:
 
 
 def test_a_prefix_holding_another_run_is_refused_and_overwrite_clears_it(
-    url: str, s3: S3Server, tmp_path: Path
+    url: str, s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A torchrun job's workers started again after a server joined (its --rdzv-id in the
+    # checkpoints) continue the run even with --overwrite; another job is refused.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
     _trained(url, tmp_path / "a", 1)
+    again = CheckpointManager(url, state=_state(), local_dir=tmp_path / "a2", overwrite=True)
+    assert again.claim() is True
+    assert "latest.pth" in _objects(s3, url)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-8")
     second = CheckpointManager(url, state=_state(), local_dir=tmp_path / "b")
     with pytest.raises(CheckpointError, match=r"holds another run's checkpoints: latest\.pth"):
         second.claim()

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from dist_jobs import fail_on_rank_one, loader_in_a_rank, write_description, write_environment
+from net_fixtures import two_namespaces  # type: ignore[import-not-found]
 from warm import warm_popen  # type: ignore[import-not-found]
 
 import ddpkit
@@ -136,47 +135,10 @@ def test_torchrun_without_arguments(tmp_path: Path) -> None:
 # --- two real hosts: network namespaces joined by a veth pair ----------------
 
 
-def _netns_usable() -> str | None:
-    if sys.platform != "linux":
-        return "network namespaces are Linux-only"
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None:
-        return "needs `ip` from iproute2 (.ci/run installs it)"
-    probe = f"ddpk-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` failed here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
 @pytest.fixture
 def two_hosts() -> Iterator[list[tuple[str, str]]]:
-    """Two namespaces, 198.18.0.1 and 198.18.0.2 on one veth link; removed afterwards."""
-    reason = _netns_usable()
-    if reason:
-        pytest.skip(reason)
-    tag = uuid.uuid4().hex[:6]
-    ns = (f"ddpk-{tag}-a", f"ddpk-{tag}-b")
-    links = (f"dk{tag}a", f"dk{tag}b")  # interface names are at most 15 characters
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-    try:
-        for name in ns:
-            ip("netns", "add", name)
-        ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
-        for name, link, addr in zip(ns, links, ("198.18.0.1/24", "198.18.0.2/24"), strict=True):
-            ip("link", "set", link, "netns", name)
-            ip("-n", name, "addr", "add", addr, "dev", link)
-            ip("-n", name, "link", "set", link, "up")
-            ip("-n", name, "link", "set", "lo", "up")
-        yield list(zip(ns, links, strict=True))
-    finally:
-        for name in ns:  # deleting a namespace deletes its end of the veth pair too
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    with two_namespaces() as hosts:
+        yield hosts
 
 
 @pytest.mark.netns

@@ -21,6 +21,7 @@ from torch.utils.data import DistributedSampler
 
 from ddpkit import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE, RankFailedError, load_checkpoint
 from ddpkit.testing import run_distributed
+from ddpkit.training.reporting import epoch_line
 
 STEPS_PER_EPOCH, EPOCHS = 6, 3
 _TIMEOUT = 180
@@ -206,6 +207,12 @@ def test_resuming_on_another_number_of_ranks_sees_each_sample_once(
         assert "error" not in r, r["error"]
         told = [w for w in r["warnings"] if "not bit-exact" in w]
         assert len(told) == (rank == 0), r["warnings"]  # rank 0 says it, once
+    # The resumed epoch's record: every sample trained on, on the world sizes it ran on.
+    resumed = results[0]["records"][0]
+    assert (resumed["epoch"], resumed["train_samples"]) == (2, 48)
+    assert resumed["world_sizes"] == [2, world]
+    assert resumed["batch_splits"] == [[2, BATCH, 1], [world, BATCH, 1]]
+    assert f"world sizes [2, {world}]: steps of other sizes" in epoch_line(resumed)
     after = [
         int(x) for r in range(world) for x in Path(f"{record}.{world}.{r}").read_text().split()
     ]

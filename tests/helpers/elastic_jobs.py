@@ -1,0 +1,109 @@
+"""The example under an elastic torchrun, its training samples written to a ledger; a job
+that asks ``refuse_strangers`` about each rank's problem.
+
+``python elastic_jobs.py LEDGER_DIR PACE_S EXAMPLE_ARGS...`` runs
+``examples/seresnext_lmdb.py`` unchanged except for its training set: a
+``LazyLMDBDataset`` that waits ``PACE_S`` per sample (so the test has time to
+stop and start servers inside an epoch) and appends each index it reads to a
+file of its own process. The file's first line says where the process started:
+the global optimizer step its run resumed at, the world size and the
+per-process batch; with ``-j 0`` the n-th index read belongs to step
+``start + n // batch``, so the test can tell the steps the job kept from those a
+leave threw away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ddpkit
+from ddpkit.distributed.membership import JoinRefused, refuse_strangers
+
+_MANAGER: list[Any] = []  # the run's CheckpointManager, once fit has it
+
+
+class Ledgered(ddpkit.LazyLMDBDataset):
+    """The training set, slowed down and writing each index it reads."""
+
+    ledger: Path
+    pace: float
+
+    def __getitem__(self, index: int) -> Any:
+        if Path(self.paths[0]).name == "train.lmdb":
+            self._note(index)
+        return super().__getitem__(index)
+
+    def _note(self, index: int) -> None:
+        time.sleep(self.pace)
+        if not hasattr(self, "_file"):
+            position = _MANAGER[0].position if _MANAGER else None
+            file = self.ledger / f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}.txt"
+            self._file = open(file, "a", encoding="utf-8")  # noqa: SIM115 - for the process
+            head = {
+                "time": time.time(),
+                "step": position.step if position is not None else 0,
+                "world": int(os.environ["WORLD_SIZE"]),
+                "rank": int(os.environ["RANK"]),
+                "node": os.environ.get("LEDGER_NODE", "?"),
+            }
+            self._file.write(json.dumps(head) + "\n")
+        self._file.write(f"{index}\n")
+        self._file.flush()
+
+
+def _fit(*args: Any, **kwargs: Any) -> Any:
+    _MANAGER.append(kwargs["checkpoints"])
+    return _FIT(*args, **kwargs)
+
+
+_FIT = ddpkit.fit
+
+
+def strangers(rank: int, world_size: int, plan: dict[str, Any]) -> list[Any]:
+    """``refuse_strangers`` for each of ``plan["cases"]`` (each rank's problem, by rank).
+
+    Each rank is a server of its own (``GROUP_RANK``) unless ``plan["one_node"]``.
+    """
+    node = 0 if plan.get("one_node") else rank
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), GROUP_RANK=str(node))
+    said = []
+    for problems in plan["cases"]:
+        try:
+            said.append(["returned", refuse_strangers(problems[rank])])
+        except JoinRefused as exc:
+            said.append(["refused", str(exc)])
+    return said
+
+
+def joined(rank: int, world_size: int, plan: dict[str, Any]) -> list[Any]:
+    """The checks of a resume after a join, on each of ``plan["cases"]``: every rank's
+    (ddpkit version, extra) by rank, against a checkpoint of ddpkit ``plan["saved"]``."""
+    import ddpkit.checkpoint.manager as manager
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), GROUP_RANK=str(rank))
+    state = {"ddpkit": plan["saved"], "extra": {"--seed": 0}}
+    said = []
+    for case in plan["cases"]:
+        manager.__version__, extra = case[rank]  # type: ignore[attr-defined]
+        try:
+            manager._check_joined(state, "ck/interrupted.pth", extra)
+            said.append(["ok", None])
+        except JoinRefused as exc:
+            said.append(["refused", str(exc)])
+        except ddpkit.CheckpointError as exc:
+            said.append(["error", str(exc)])
+    return said
+
+
+if __name__ == "__main__":
+    from ddpkit.examples import seresnext_lmdb
+
+    Ledgered.ledger, Ledgered.pace = Path(sys.argv[1]), float(sys.argv[2])
+    ddpkit.LazyLMDBDataset = Ledgered  # type: ignore[misc]
+    ddpkit.fit = _fit
+    seresnext_lmdb.main(sys.argv[3:])
