@@ -383,8 +383,14 @@ class CheckpointManager:
         metrics = dict(metrics or {})
         extra = {**self.extra, **state.extra, **(extra or {})}
         check_saveable({"metrics": metrics, "extra": extra})  # the same on all ranks
-        if self._generation is None and self.claim():  # this job's files, not resumed
-            self._generation = self._next_generation()
+        if self._generation is None and self.claim():  # this job's files, never resumed
+            raise CheckpointError(
+                f"{self.location} holds this torchrun job's checkpoints (--rdzv-id "
+                f"{launcher_job()}), and this process saves without having resumed them: it "
+                "would train afresh over the job's progress. Resume first (fit(resume=True), "
+                "StepGuard.resume, CheckpointManager.resume()), or give a new job its own "
+                "--rdzv-id. " + see("a-server-leaves-or-joins")
+            )
         assert self._generation is not None
         acc1 = float(metrics["acc1"]) if "acc1" in metrics else None
         # The weight file holds the better of the model and its average, as measured.
@@ -518,18 +524,6 @@ class CheckpointManager:
             )
         self._generation = 1
         return False
-
-    def _next_generation(self) -> int:
-        """One more than any generation saved here: a new line of saves. A collective."""
-        if self.store is None:
-            return next_generation(self.directory)
-        store = self.store
-
-        def newest() -> int:
-            store.load_layout()
-            return max((int(e.get("generation", 0)) for e in store.files.values()), default=0)
-
-        return shared(newest) + 1
 
     @property
     def latest(self) -> str:
@@ -712,8 +706,8 @@ def _check_joined(state: Mapping[str, Any], where: str, extra: Mapping[str, Any]
 def _continuing(job: str | None) -> bool:
     if get_rank() == 0:
         logger.info(
-            "continuing job %s: its checkpoints are here (torchrun started the workers again "
-            "after a server joined or left)",
+            "continuing torchrun job %s from its checkpoints here (its workers started again "
+            "after a server joined or left; a new job needs its own --rdzv-id)",
             job,
         )
     return True

@@ -252,9 +252,10 @@ def claim_directory(
     looks in its own ``directory``, and a refusal is raised on every rank.
 
     Returns:
-        True, touching nothing, when a rank's newest checkpoint was saved by
-        this same launcher ``job``: the run continues, and is resumed
-        instead; False when the directory is now this fresh run's.
+        True, touching nothing, when every writing rank that holds a run's
+        files holds this same launcher ``job``'s (its newest checkpoint
+        records it): the run continues, and is resumed instead; False when
+        the directory is now this fresh run's.
 
     Raises:
         CheckpointError: a run's files are there and ``overwrite`` is False.
@@ -266,8 +267,8 @@ def claim_directory(
         ours = newest is not None and newest.job == job
     line = describe_run(directory, files) if files and not overwrite and not ours else None
     views = all_gather_object((get_rank(), files, line, ours))
-    if any(view[3] for view in views):
-        return True
+    if any(view[3] for view in views) and all(view[3] for view in views if view[1]):
+        return True  # every directory holding a run's files holds this job's
     taken = [(rank, names, what) for rank, names, what, _ in views if names]
     if taken and not overwrite:
         rank, names, what = taken[0]

@@ -50,7 +50,11 @@ def _job_shape(info: DistInfo | None) -> tuple[int, int, int]:
 
 
 def _per_process_batch(
-    batch_size: int | None, global_batch_size: int | None, world: int, local_world: int = 1
+    batch_size: int | None,
+    global_batch_size: int | None,
+    world: int,
+    local_world: int = 1,
+    train: bool = False,
 ) -> int:
     if (batch_size is None) == (global_batch_size is None):
         raise ValueError(
@@ -68,9 +72,9 @@ def _per_process_batch(
             f"global_batch_size={global_batch_size} does not divide over {world} processes; "
             f"use {' or '.join(map(str, nearest))}, or pass batch_size={max(per, 1)} per process"
         )
-    # Servers may leave and join (torchrun --nnodes MIN:MAX): the batch must divide over every
-    # world the job can have, or the first leave or join would stop it.
-    worlds = elastic_worlds(local_world)
+    # Servers may leave and join (torchrun --nnodes MIN:MAX): a training batch must divide over
+    # every world the job can have, or the first leave or join would stop it.
+    worlds = elastic_worlds(local_world) if train else []
     odd = [w for w in worlds if global_batch_size % w]
     if odd:
         every = math.lcm(*worlds)
@@ -379,7 +383,7 @@ def build_loader(
         None if v is None else int(v) for v in (batch_size, global_batch_size, prefetch_factor)
     )
     world, rank, local_world = _job_shape(info)
-    per_process = _per_process_batch(batch_size, global_batch_size, world, local_world)
+    per_process = _per_process_batch(batch_size, global_batch_size, world, local_world, train)
     workers = _default_workers(local_world) if workers is None else int(workers)
     seed = int(seed)
     drop_last = train if drop_last is None else drop_last

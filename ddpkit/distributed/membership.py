@@ -13,6 +13,8 @@ open for the others (an agent that exits on its own closes it for all).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -66,7 +68,7 @@ def find_agent(pid: int | None = None) -> Agent | None:
         if argv is None:
             return None
         if _is_torchrun(argv):
-            return Agent(current, _nnodes(argv), tuple(argv))
+            return Agent(current, _nnodes(argv, _environ(current)), tuple(argv))
         current = _parent(current)
     return None
 
@@ -94,13 +96,27 @@ def _marks_torchrun(part: str) -> bool:
     )
 
 
+def _torchrun_at(argv: list[str]) -> int | None:
+    """Where torchrun's own arguments start: after ``torchrun`` or ``python [-opts] -m
+    torch.distributed.run``; None when ``argv`` is another program's."""
+    if argv and _marks_torchrun(argv[0]):
+        return 1
+    for i, part in enumerate(argv[1:], 1):
+        if part == "-m" and i + 1 < len(argv) and _marks_torchrun(argv[i + 1]):
+            return i + 2
+        if not part.startswith("-"):  # python's script: no -m torch.distributed.run before it
+            return i + 1 if _marks_torchrun(part) else None
+    return None
+
+
 def _is_torchrun(argv: list[str]) -> bool:
-    return any(_marks_torchrun(part) for part in argv[:3])
+    return _torchrun_at(argv) is not None
 
 
-def _nnodes(argv: list[str]) -> tuple[int, int]:
-    """``--nnodes`` of a torchrun command line, read up to the training script."""
-    start = next((i for i, part in enumerate(argv[:3]) if _marks_torchrun(part)), 0) + 1
+def _nnodes(argv: list[str], environ: dict[str, str] | None = None) -> tuple[int, int]:
+    """``--nnodes`` of a torchrun command line (read up to the training script), else its
+    environment's ``PET_NNODES`` (torchrun takes its options from ``PET_*`` variables too)."""
+    start = _torchrun_at(argv) or 1
     value = None
     for i in range(start, len(argv)):
         part = argv[i]
@@ -111,12 +127,23 @@ def _nnodes(argv: list[str]) -> tuple[int, int]:
         elif part.startswith("--nnodes="):
             value = part.split("=", 1)[1]
     if value is None:
+        value = (environ or {}).get("PET_NNODES")
+    if value is None:
         return (1, 1)
     low, _, high = value.partition(":")
     try:
         return (int(low), int(high or low))
     except ValueError:
         return (1, 1)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {name: value for name, _, value in pairs}
 
 
 def elastic_worlds(local_world_size: int, agent: Agent | None = None) -> list[int]:
@@ -155,9 +182,9 @@ def elastic_warnings(launch: LaunchEnv | None, agent: Agent | None) -> list[str]
         )
     if launch.run_id in ("", "none"):
         said.append(
-            f"torchrun --nnodes {low}:{high} without --rdzv-id: after a server joins, this "
-            "server's workers cannot tell this job's checkpoints from another's and restart "
-            "once more to resume them; pass --rdzv-id with the job's name on every server"
+            f"torchrun --nnodes {low}:{high} without --rdzv-id: after a server joins, the "
+            "workers cannot tell this job's checkpoints from another's, and a run without "
+            "--resume refuses them; pass --rdzv-id with the job's name on every server"
         )
     return said
 
@@ -169,18 +196,29 @@ def node_name(launch: LaunchEnv | None = None) -> str:
     return f"node {node} ({socket.gethostname()})"
 
 
+_STOPPING: set[int] = set()  # the agents this process stops when it exits
+
+
+def _stop(pid: int) -> None:
+    """SIGTERM to the agent ``pid``: it stops its workers and exits, the rendezvous left open."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+
+
 def refuse_strangers(problem: str | None) -> str | None:
     """Agree on each rank's ``problem`` with the run; refuse the servers that alone have one.
 
     A collective. ``problem`` is this rank's reason it cannot train on with
-    the run it resumes (None: it can). Returns None when no rank has one, and
-    the first rank's (named when the ranks differ) when every server has one:
-    the run's own problem, for the caller to raise on every rank. When some
-    servers have one and others not, those servers joined with something the
-    run does not have: each of their ranks stops its torchrun agent (so the
-    agent neither restarts it nor closes the rendezvous for the others) and
-    every rank raises :class:`JoinRefused` naming them; the others' agents
-    start their workers again without them.
+    the run it resumes (None: it can). Returns None when no rank has one, else
+    the first rank's (named when the ranks differ), for the caller to act on
+    on every rank: the run's own problem. When some servers have one and
+    others not, and each of those runs under an elastic torchrun agent
+    (``--nnodes MIN:MAX``, which may go on without it), those servers joined
+    with something the run does not have: every rank raises
+    :class:`JoinRefused` naming them, and their ranks stop their agent when
+    they exit (so that it neither starts them again nor closes the rendezvous
+    for the others); the others' agents start their workers again without them. In a job of
+    fixed size (``srun``, ``--nnodes 2``) nobody joined: the run's own.
 
     Raises:
         JoinRefused: on every rank, when some servers are refused.
@@ -188,36 +226,44 @@ def refuse_strangers(problem: str | None) -> str | None:
     if comm.get_world_size() < 2:
         return problem
     launch = detect_launcher()
-    views = comm.all_gather_object((node_name(launch), problem))
-    nodes = {node for node, _ in views}
-    bad = {node: p for node, p in reversed(views) if p is not None}
-    if not bad:
+    agent = find_agent()
+    elastic = agent is not None and agent.elastic
+    views = comm.all_gather_object((node_name(launch), problem, elastic))
+    found = [(rank, p) for rank, (_, p, _) in enumerate(views) if p is not None]
+    if not found:
         return None
-    if len(bad) == len(nodes):
-        first = next(p for _, p in views if p is not None)
-        same = all(p == first for _, p in views)
-        rank = next(r for r, (_, p) in enumerate(views) if p is not None)
-        return first if same else f"on rank {rank}, {first}"
+    rank, first = found[0]
+    agreed = (
+        first
+        if len(found) == len(views) and all(p == first for _, p in found)
+        else (f"on rank {rank}, {first}")
+    )
+    bad = {node: p for node, p, _ in reversed(views) if p is not None}
+    stoppable = all(elastic for node, _, elastic in views if node in bad)
+    if len(bad) == len({node for node, _, _ in views}) or not stoppable:
+        return agreed  # every server has one, or theirs cannot be told to go: the run's own
     mine = node_name(launch)
     refused = "; ".join(f"{node}: {why}" for node, why in sorted(bad.items()))
     if mine in bad:
-        agent = find_agent()
-        stopped = agent is not None and agent.elastic
-        if stopped and comm.get_rank() == min(
-            r for r, (node, _) in enumerate(views) if node == mine
-        ):
-            assert agent is not None
-            os.kill(agent.pid, signal.SIGTERM)
+        assert agent is not None  # stoppable
+        # At exit, after the error is said: the agent's SIGTERM to its workers comes then.
+        if agent.pid not in _STOPPING:
+            _STOPPING.add(agent.pid)
+            atexit.register(_stop, agent.pid)
         raise JoinRefused(
-            f"this server, {mine}, is refused by the running job: {bad[mine]}. "
-            + (
-                "Its torchrun agent is stopped, so the other servers go on without it; "
-                if stopped
-                else ""
-            )
-            + "start it again with the job's data, settings and ddpkit version"
+            f"this server, {mine}, is refused by the running job: {bad[mine]}. Its torchrun "
+            "agent is stopped, so the other servers go on without it; start it again with the "
+            "job's data, settings and ddpkit version"
         )
-    raise JoinRefused(
-        f"refused a server that joined: {refused}. The workers stop here and torchrun starts "
-        "them again without it (one of its --max-restarts), from the step they stopped at"
+    left = (
+        None
+        if launch is None or launch.max_restarts is None
+        else (launch.max_restarts - launch.restart_count)
     )
+    then = (
+        f"torchrun has no restart left (--max-restarts {launch.max_restarts}), so the job ends"
+        if launch is not None and left is not None and left <= 0
+        else "torchrun starts them again without it (one of its --max-restarts), from the "
+        "step they stopped at"
+    )
+    raise JoinRefused(f"refused a server that joined: {refused}. The workers stop here and {then}")

@@ -31,6 +31,7 @@ from torch import nn
 
 from ddpkit import _graveyard
 from ddpkit.checkpoint import CheckpointManager
+from ddpkit.checkpoint.files import scan
 from ddpkit.checkpoint.state import TrainingState
 from ddpkit.data.streams import check_batches
 from ddpkit.distributed import comm
@@ -411,12 +412,15 @@ def _last_restart(run: Run, error: BaseException) -> None:
     launch = detect_launcher()
     if not isinstance(error, Exception) or launch is None:  # Preempted: a SystemExit
         return
-    if launch.max_restarts is None or launch.restart_count < launch.max_restarts:
+    if not launch.max_restarts or launch.restart_count < launch.max_restarts:
         return
-    if launch.local_rank != 0:  # one line per server
-        return
-    manager = run.guard.checkpoints
-    kept = f"its newest checkpoint in {manager.location} is intact" if manager else "no checkpoints"
+    if launch.local_rank != 0 or "is refused by the running job" in str(error):
+        return  # one line per server; a refused server's job goes on elsewhere
+    manager, kept = run.guard.checkpoints, "no checkpoint yet"
+    if manager is not None:
+        store = manager.store
+        if bool(store.files) if store is not None else bool(scan(manager.directory)[0]):
+            kept = f"its newest checkpoint in {manager.location} is intact"
     logger.error(
         "torchrun --max-restarts %d: every restart is used, so this failure ends the job on "
         "this server; %s: start it again with --resume (fit(resume=True)) to continue",

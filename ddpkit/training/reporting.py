@@ -100,9 +100,14 @@ def _world_change(splits: Any) -> str | None:
     if not all(b for _, b, _ in splits):
         return f"world sizes {sizes}"
     per_step = {w * b * a for w, b, a in splits}
-    what = "per-process batch" if len({a for *_, a in splits}) == 1 else "accumulation steps"
+    changed = [
+        name
+        for i, name in ((1, "per-process batch"), (2, "accumulation steps"))
+        if len({s[i] for s in splits}) > 1
+    ]
+    what = f" (the {' and the '.join(changed)} changed)" if changed else ""
     each = f"{per_step.pop()} samples a step" if len(per_step) == 1 else "steps of other sizes"
-    return f"world sizes {sizes}: {each}, as {shown} (the {what} changed)"
+    return f"world sizes {sizes}: {each}, as {shown}{what}"
 
 
 class Reporter:

@@ -382,6 +382,11 @@ def test_a_restarted_worker_of_the_same_torchrun_job_continues_instead_of_claimi
     assert again.claim() is True
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
     assert again.resume() == 2  # interrupted.pth: in epoch 3
+    # A save that never resumed would train afresh over the job's progress: refused.
+    lazy = CheckpointManager(directory, state=TrainingState(model, optimizer))
+    with pytest.raises(CheckpointError, match=r"holds this torchrun job's checkpoints \(--rdzv"):
+        lazy.save(0, metrics={"acc1": 5.0})
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-8")
     other = CheckpointManager(directory, state=TrainingState(model, optimizer))
     with pytest.raises(CheckpointError, match="holds another run's checkpoints"):

@@ -1,5 +1,5 @@
-"""The example under an elastic torchrun, its training samples written to a ledger; a job
-that asks ``refuse_strangers`` about each rank's problem.
+"""The example under an elastic torchrun, its training samples written to a ledger; jobs
+that ask ``refuse_strangers`` about each rank's problem, under a stand-in torchrun agent.
 
 ``python elastic_jobs.py LEDGER_DIR PACE_S EXAMPLE_ARGS...`` runs
 ``examples/seresnext_lmdb.py`` unchanged except for its training set: a
@@ -9,13 +9,16 @@ file of its own process. The file's first line says where the process started:
 the global optimizer step its run resumed at, the world size and the
 per-process batch; with ``-j 0`` the n-th index read belongs to step
 ``start + n // batch``, so the test can tell the steps the job kept from those a
-leave threw away.
+leave threw away. While a file ``hold`` is in the ledger's directory, every read
+waits: the test holds training still while a server starts, joins or is killed.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -40,6 +43,8 @@ class Ledgered(ddpkit.LazyLMDBDataset):
 
     def _note(self, index: int) -> None:
         time.sleep(self.pace)
+        while (self.ledger / "hold").exists():
+            time.sleep(0.01)
         if not hasattr(self, "_file"):
             position = _MANAGER[0].position if _MANAGER else None
             file = self.ledger / f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}.txt"
@@ -98,6 +103,29 @@ def joined(rank: int, world_size: int, plan: dict[str, Any]) -> list[Any]:
         except ddpkit.CheckpointError as exc:
             said.append(["error", str(exc)])
     return said
+
+
+def checks(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, list[Any]]:
+    """:func:`strangers` and :func:`joined` on their cases in ``plan``, then what the
+    interpreter's exit runs (a rank of ``run_distributed`` ends without it): a refused
+    server's stop of its agent."""
+    said = {
+        "strangers": strangers(rank, world_size, plan["strangers"]),
+        "joined": joined(rank, world_size, plan["joined"]),
+    }
+    atexit._run_exitfuncs()
+    return said
+
+
+def as_agent(out: str, plan: str) -> None:
+    """Be a torchrun agent for :func:`checks`: run it on 2 ranks, write what they said and
+    how many SIGTERMs this process got (a refused server's ranks stop their agent)."""
+    from ddpkit.testing import run_distributed
+
+    got: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+    results = run_distributed(checks, 2, args=(json.loads(plan),), timeout=90, start_method="spawn")
+    Path(out).write_text(json.dumps({"results": results, "sigterms": len(got)}))
 
 
 if __name__ == "__main__":

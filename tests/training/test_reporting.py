@@ -133,6 +133,30 @@ def test_the_summary_names_the_best_epoch(capsys: pytest.CaptureFixture[str]) ->
     assert "  epochs trained  3\n" in out
 
 
+@pytest.mark.parametrize(
+    ("splits", "said"),
+    [
+        ([[8, 32, 1]], None),  # one world all epoch: nothing to say
+        ([[8, 32, 1], [4, 64, 1]],
+         "world sizes [8, 4]: 256 samples a step, as 8 x 32 then 4 x 64 (the per-process batch "
+         "changed)"),
+        ([[4, 32, 1], [2, 32, 2]],
+         "world sizes [4, 2]: 128 samples a step, as 4 x 32 then 2 x 32 x 2 accumulated (the "
+         "accumulation steps changed)"),
+        ([[2, 4, 1], [3, 4, 1]], "world sizes [2, 3]: steps of other sizes, as 2 x 4 then 3 x 4,"),
+        ([[2, 0, 0], [1, 12, 1]], "world sizes [2, 1],"),  # a checkpoint of an older ddpkit
+    ],
+)  # fmt: skip
+def test_the_epoch_line_says_how_the_steps_were_split_when_a_server_left_or_joined(
+    splits: list[list[int]], said: str | None
+) -> None:
+    line = epoch_line({"epoch": 4, "train_loss": 0.5, "batch_splits": splits}, 90)
+    if said is None:
+        assert "world sizes" not in line
+    else:
+        assert said in line + ","
+
+
 def test_the_epoch_line_shows_the_average_and_the_worst_class() -> None:
     record = {"epoch": 4, "train_loss": 0.5, "val_acc1": 80.0, "val_acc5": 99.0,
               "val_ema_acc1": 82.5, "val_worst_class": "cat", "val_worst_recall": 61.04,
