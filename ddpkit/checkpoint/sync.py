@@ -317,10 +317,10 @@ def _header_at(path: Path) -> tuple[Found | None, str]:
 def _what_file(path: Path, reason: str) -> str:
     """What a file that is not a checkpoint is, and what to do with it."""
     with open(path, "rb") as f:
-        head = f.read(16)
+        head = f.read(256)
     if head.startswith(b"\x89PNG") or head.startswith(b"%PDF") or head.startswith(b"<?xml"):
         return "it is an image (the learning curves ddpkit plot draws), not a checkpoint"
-    if path.suffix == ".jsonl" or head.lstrip().startswith(b"{"):
+    if path.suffix == ".jsonl" or (_is_text(head) and head.lstrip().startswith(b"{")):
         return "it is a text file (metrics.jsonl, the epoch records fit writes), not a checkpoint"
     if reason == "not a ddpkit checkpoint" and _holds_weights(path):
         return (
@@ -329,6 +329,13 @@ def _what_file(path: Path, reason: str) -> str:
             "(the example's --pretrained PATH)"
         )
     return f"it is not a ddpkit checkpoint ({reason})"
+
+
+def _is_text(head: bytes) -> bool:
+    """Whether a file's first bytes are UTF-8 text (a cut at the end of the read allowed):
+    random bytes that happen to start with ``{`` are not."""
+    text = head.decode("utf-8", errors="replace")
+    return "\ufffd" not in text[:-3] and all(c.isprintable() or c in "\t\r\n" for c in text[:-3])
 
 
 def _holds_weights(path: Path) -> bool:

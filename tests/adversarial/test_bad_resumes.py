@@ -464,6 +464,8 @@ def _png(path: Path) -> None:
             "it is a text file (metrics.jsonl",
         ),
         ("noise.pth", lambda p: p.write_bytes(os.urandom(512)), "it is not a ddpkit checkpoint ("),
+        # Random bytes that happen to start like JSON are not text.
+        ("brace.pth", lambda p: p.write_bytes(b"{" + os.urandom(511)), "not a ddpkit checkpoint ("),
         ("nothing.pth", lambda p: None, "there is no such file"),
     ],
 )

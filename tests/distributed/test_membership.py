@@ -183,6 +183,13 @@ def test_a_server_that_alone_differs_is_refused_on_every_rank_and_its_agent_stop
         assert "--seed 0; this run has --seed 5" in joined[3][1]
         assert joined[4][0] == "error"
         assert "was trained with --seed 0; this run has --seed 5" in joined[4][1]
+    # A server whose training set has other labels than the checkpoint's: refused.
+    data0, data1 = (r["data"] for r in said["results"])
+    assert data1[0] == "refused"
+    assert "this server, node 1" in data1[1]
+    assert "same 24 samples but a different index" in data1[1]
+    assert data0[0] == "refused"
+    assert "refused a server that joined: node 1" in data0[1]
     # The refused servers' ranks stopped their agent as they ended (signals sent close
     # together arrive as one).
     assert said["sigterms"] >= 1

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import ddpkit
 from ddpkit.distributed.membership import JoinRefused, refuse_strangers
 
@@ -105,6 +107,35 @@ def joined(rank: int, world_size: int, plan: dict[str, Any]) -> list[Any]:
     return said
 
 
+class _Labelled(torch.utils.data.Dataset[int]):
+    """24 samples whose labels are the data's identity (``data_identity``)."""
+
+    def __init__(self, targets: list[int]) -> None:
+        self.targets = targets
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def other_data(rank: int) -> list[Any]:
+    """A mid-epoch resume where rank 1's training set has other labels than the checkpoint's."""
+    from ddpkit.data.resume import data_identity, resume_verdict
+    from ddpkit.position import Position
+
+    saved = _Labelled([i % 3 for i in range(24)])
+    mine = saved if rank == 0 else _Labelled([(i + 1) % 3 for i in range(24)])
+    size, digest = data_identity(saved)
+    start = Position(0, 1, 12, 1, 2, data_size=size, data_digest=digest)
+    loader = torch.utils.data.DataLoader(mine, batch_size=6)
+    try:
+        return ["returned", list(resume_verdict(loader, start, 2, rank))]
+    except JoinRefused as exc:
+        return ["refused", str(exc)]
+
+
 def checks(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, list[Any]]:
     """:func:`strangers` and :func:`joined` on their cases in ``plan``, then what the
     interpreter's exit runs (a rank of ``run_distributed`` ends without it): a refused
@@ -112,6 +143,7 @@ def checks(rank: int, world_size: int, plan: dict[str, Any]) -> dict[str, list[A
     said = {
         "strangers": strangers(rank, world_size, plan["strangers"]),
         "joined": joined(rank, world_size, plan["joined"]),
+        "data": other_data(rank),
     }
     atexit._run_exitfuncs()
     return said
