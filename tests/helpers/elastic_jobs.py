@@ -10,7 +10,8 @@ the global optimizer step its run resumed at, the world size and the
 per-process batch; with ``-j 0`` the n-th index read belongs to step
 ``start + n // batch``, so the test can tell the steps the job kept from those a
 leave threw away. While a file ``hold`` is in the ledger's directory, every read
-waits: the test holds training still while a server starts, joins or is killed.
+waits: the test holds training still while a server starts, joins or is killed;
+once a file ``fail`` is there, every read fails.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class Ledgered(ddpkit.LazyLMDBDataset):
         time.sleep(self.pace)
         while (self.ledger / "hold").exists():
             time.sleep(0.01)
+        if (self.ledger / "fail").exists():
+            raise RuntimeError("the training data failed (the test's file 'fail')")
         if not hasattr(self, "_file"):
             position = _MANAGER[0].position if _MANAGER else None
             file = self.ledger / f"{os.uname().nodename}-{os.getpid()}-{time.time_ns()}.txt"
