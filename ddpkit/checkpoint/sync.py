@@ -269,7 +269,7 @@ def claim_directory(
     views = all_gather_object((get_rank(), files, line, ours))
     if any(view[3] for view in views) and all(view[3] for view in views if view[1]):
         return True  # every directory holding a run's files holds this job's
-    taken = [(rank, names, what) for rank, names, what, _ in views if names]
+    taken = [(rank, names, what) for rank, names, what, mine in views if names and not mine]
     if taken and not overwrite:
         rank, names, what = taken[0]
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")

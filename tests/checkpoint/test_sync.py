@@ -12,7 +12,7 @@ import torch
 from ddpkit.checkpoint.files import FORMAT, LATEST, VERSION, step_name
 from ddpkit.checkpoint.outcomes import share_outcome
 from ddpkit.checkpoint.serialization import CheckpointError, save_checkpoint
-from ddpkit.checkpoint.sync import load_newest, next_generation
+from ddpkit.checkpoint.sync import claim_directory, load_newest, next_generation
 from ddpkit.position import Position
 from ddpkit.testing import run_distributed
 
@@ -72,6 +72,19 @@ def _agree(rank: int, world_size: int, root: str) -> dict[str, Any]:
         share_outcome(OSError("disk full") if rank == 1 else None, "epoch")
     except (CheckpointError, OSError) as exc:
         out["e"] = f"{type(exc).__name__}: {exc}"
+    # 6. A torchrun job's workers started again: its own checkpoints continue only when every
+    # directory holding a run's files holds the job's (rank 1's: another job's, then none).
+    claims = []
+    for case, other in (("f", "job-2"), ("g", None)):
+        (mine / case).mkdir()
+        job = "job-1" if rank == 0 else other
+        if job is not None:
+            save_checkpoint({**_state(4, "step"), "job": job}, mine / case / step_name(4))
+        try:
+            claims.append(claim_directory(mine / case, writes=True, overwrite=False, job="job-1"))
+        except CheckpointError as exc:
+            claims.append(str(exc))
+    out["f"] = claims
     return out
 
 
@@ -94,3 +107,7 @@ def test_two_ranks_with_their_own_directories_agree(tmp_path: Path) -> None:
         "OSError: disk full"
     )
     assert one["e"] == "OSError: disk full"
+    for claims in (zero["f"], one["f"]):  # every rank refuses, naming the rank
+        refused, continued = claims
+        assert "(on rank 1) holds another run's checkpoints: step-000000004.pth" in refused
+        assert continued is True
