@@ -59,7 +59,6 @@ def restore_state(
     training: TrainingState,
     strict_rng: bool,
     where: str | None = None,
-    expected: Mapping[str, Any] | None = None,
 ) -> Restored:
     """Load ``state`` into every piece of ``training`` (None pieces are skipped).
 
@@ -74,12 +73,11 @@ def restore_state(
         CheckpointError: a piece asked for is not in ``state``, the position or
             an RNG state is malformed, the model is not the one that saved
             (names the first keys and shapes that differ), the world size
-            changed and ``strict_rng`` is True (with False: a warning), or
-            ``state["extra"]`` holds another value than ``expected`` for one of
-            its keys (another architecture, say); nothing is loaded then.
+            changed and ``strict_rng`` is True (with False: a warning); nothing
+            is loaded then. The settings in ``state["extra"]`` are checked
+            before, by every rank together (``CheckpointManager.resume``).
     """
     name = where or found.name
-    check_extra(name, state.get("extra") or {}, expected or {})
     saved, now = state.get("world_size"), get_world_size()
     try:
         if int(state.get("version", 0)) >= 2:

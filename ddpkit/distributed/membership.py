@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import signal
 import socket
@@ -26,8 +25,6 @@ from ddpkit.distributed import comm
 from ddpkit.distributed.launchers import LaunchEnv, detect_launcher
 
 __all__ = ["Agent", "JoinRefused", "elastic_warnings", "find_agent", "refuse_strangers"]
-
-logger = logging.getLogger("ddpkit")
 
 # How many parents up a worker's agent may be: torchrun -> worker, or torchrun -> a
 # wrapper (a shell, a shim) -> worker.
@@ -67,7 +64,7 @@ def find_agent(pid: int | None = None) -> Agent | None:
         argv = _command_line(current)
         if argv is None:
             return None
-        if _is_torchrun(argv):
+        if _torchrun_at(argv) is not None:
             return Agent(current, _nnodes(argv, _environ(current)), tuple(argv))
         current = _parent(current)
     return None
@@ -107,10 +104,6 @@ def _torchrun_at(argv: list[str]) -> int | None:
         if not part.startswith("-"):  # python's script: no -m torch.distributed.run before it
             return i + 1 if _marks_torchrun(part) else None
     return None
-
-
-def _is_torchrun(argv: list[str]) -> bool:
-    return _torchrun_at(argv) is not None
 
 
 def _nnodes(argv: list[str], environ: dict[str, str] | None = None) -> tuple[int, int]:
