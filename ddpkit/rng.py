@@ -16,7 +16,15 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-__all__ = ["capture_rng_state", "check_rng_state", "restore_rng_state", "sample_seed", "seeded"]
+__all__ = [
+    "capture_rng_state",
+    "check_rng_state",
+    "numpy_state",
+    "restore_rng_state",
+    "sample_seed",
+    "seeded",
+    "set_numpy_state",
+]
 
 _MASK64 = (1 << 64) - 1
 _HostStates = tuple[Any, Any, torch.Tensor]
@@ -33,19 +41,11 @@ def capture_rng_state() -> dict[str, Any]:
         >>> state = capture_rng_state()
         >>> restore_rng_state(state)  # the next torch.rand() repeats
     """
-    python, numpy, cpu = _host_states()
-    kind, keys, pos, has_gauss, cached = cast(tuple[Any, ...], numpy)
+    python, _, cpu = _host_states()
     cuda_in_use = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     return {
         "python": python,
-        # weights_only cannot read numpy arrays; int64 holds the uint32 key exactly.
-        "numpy": (
-            str(kind),
-            torch.from_numpy(keys.astype(np.int64)),
-            int(pos),
-            int(has_gauss),
-            float(cached),
-        ),
+        "numpy": numpy_state(),
         "torch": cpu,
         "cuda": torch.cuda.get_rng_state_all() if cuda_in_use else [],
     }
@@ -66,18 +66,36 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     """
     check_rng_state(state)
     version, internal, gauss = state["python"]
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    _set_host_states(
-        (
-            (version, tuple(internal), gauss),
-            (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached),
-            state["torch"].cpu(),
-        )
-    )
+    random.setstate((version, tuple(internal), gauss))
+    set_numpy_state(state["numpy"])
+    torch.set_rng_state(state["torch"].cpu())
     if state.get("cuda") and torch.cuda.is_available():
         # On machines with fewer GPUs than the saving ones, restore the generators that exist.
         for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(cuda_state.cpu(), index)
+
+
+def numpy_state(generator: np.random.RandomState | None = None) -> tuple[Any, ...]:
+    """NumPy's global RNG state, or ``generator``'s, in a form ``weights_only`` loads.
+
+    ``(kind, key, pos, has_gauss, cached_gaussian)`` with the key as an int64
+    tensor: ``weights_only`` cannot read NumPy arrays, and int64 holds the
+    uint32 key exactly. :func:`set_numpy_state` puts it back.
+    """
+    saved = np.random.get_state() if generator is None else generator.get_state()
+    kind, keys, pos, has_gauss, cached = cast(tuple[Any, ...], saved)
+    key = torch.from_numpy(keys.astype(np.int64))
+    return (str(kind), key, int(pos), int(has_gauss), float(cached))
+
+
+def set_numpy_state(saved: tuple[Any, ...], generator: np.random.RandomState | None = None) -> None:
+    """Put back a state of :func:`numpy_state` into NumPy's global RNG, or ``generator``."""
+    kind, keys, pos, has_gauss, cached = saved
+    state = (kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
+    if generator is None:
+        np.random.set_state(state)
+    else:
+        generator.set_state(state)
 
 
 def check_rng_state(state: Any) -> None:

@@ -48,6 +48,7 @@ _SERIAL = (
     "data/test_lmdb_dataset.py",
     "data/test_loaders.py",
     "distributed/test_comm.py",
+    "distributed/test_compression.py",
     "distributed/test_devices.py",
     "distributed/test_doctor.py",
     "distributed/test_hang_report.py",
@@ -94,6 +95,7 @@ _ALONE = (
     "distributed/test_membership.py::test_a_server_leaves_and_joins_across_two_hosts_each_sample_once",
     "distributed/test_membership.py::test_a_join_with_other_settings_is_refused_and_the_others_go_on",
     "distributed/test_membership.py::test_a_server_leaves_and_joins_on_the_loopback_each_sample_once",
+    "examples/test_seresnext_comm.py::test_bf16_and_powersgd_learn_digits_as_well",
 )
 
 # The longest groups, longest first (their seconds on the 2-core machine, docs/testing.md):

@@ -52,7 +52,14 @@ from ddpkit.checkpoint.sync import (
     next_generation,
     shared,
 )
-from ddpkit.distributed.comm import all_gather_object, get_local_rank, get_rank, get_world_size
+from ddpkit.distributed.comm import (
+    all_gather_object,
+    gather_object,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+)
+from ddpkit.distributed.compression import comm_hook_of
 from ddpkit.distributed.launchers import launcher_job
 from ddpkit.distributed.membership import refuse_strangers
 from ddpkit.position import Position
@@ -329,7 +336,8 @@ class CheckpointManager:
         ``kind`` is ``"epoch"`` (``latest.pth``; the state's position is the
         start of the next epoch), ``"step"`` (``step-<n>.pth``) or
         ``"interrupted"`` (``interrupted.pth``); the file records the objects,
-        the position, every rank's RNG state and ``loop`` (the step kinds) and
+        the position, every rank's RNG state and PowerSGD state (``wrap_ddp(...,
+        comm_hook="powersgd")``), ``loop`` (the step kinds) and
         ``extra`` (the manager's, the state's, then this call's).
 
         Args:
@@ -368,12 +376,28 @@ class CheckpointManager:
         loader, unsaveable = _loader_state(state.loader_state if kind != "epoch" else None)
         self._writer.join()  # at most one write in flight
         failed = self._writer.error
+        patient = self.store is not None
+        hook = comm_hook_of(state.model)
+        stateful = hook is not None and hook.state is not None
         gathered = all_gather_object(
-            (capture_rng_state(), loop, loader, unsaveable, describe_error(failed)),
-            patient=self.store is not None,
+            (
+                capture_rng_state(),
+                loop,
+                loader,
+                unsaveable,
+                describe_error(failed),
+                self.writes,
+                stateful,
+            ),
+            patient=patient,
         )
         raise_earlier_failure(failed, [g[4] for g in gathered], self._writer)
-        for rank, (*_, why, _error) in enumerate(gathered):
+        hooks = None  # every rank's PowerSGD state, on the ranks that write only
+        if any(g[6] for g in gathered):
+            mine = hook.state_dict() if hook is not None else None
+            for writer in (rank for rank, g in enumerate(gathered) if g[5]):
+                hooks = gather_object(mine, writer, patient=patient) or hooks
+        for rank, (*_, why, _error, _writes, _stateful) in enumerate(gathered):
             if why is not None:
                 raise TypeError(
                     f"rank {rank}'s training loader state cannot be saved in a checkpoint: {why}. "
@@ -433,6 +457,7 @@ class CheckpointManager:
                 "rng": [g[0] for g in gathered],
                 "loop": [g[1] for g in gathered],
                 "loader": [g[2] for g in gathered],
+                "comm_hook": hooks,
                 "metrics": metrics,
                 "extra": extra,
                 "best_acc1": best[0],

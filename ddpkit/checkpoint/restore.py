@@ -19,6 +19,7 @@ from ddpkit.checkpoint.files import Found, check_position
 from ddpkit.checkpoint.serialization import CheckpointError
 from ddpkit.checkpoint.state import TrainingState
 from ddpkit.distributed.comm import get_rank, get_world_size
+from ddpkit.distributed.compression import CommHook, comm_hook_of
 from ddpkit.position import Position
 from ddpkit.rng import check_rng_state, restore_rng_state
 
@@ -62,7 +63,8 @@ def restore_state(
 ) -> Restored:
     """Load ``state`` into every piece of ``training`` (None pieces are skipped).
 
-    This rank's RNG state is restored when the world size is the one that saved.
+    This rank's RNG state and PowerSGD state are restored when the world size
+    is the one that saved; else they start afresh, with a warning.
     Everything is checked before anything is loaded: the position, the RNG
     states, and that the model (and its average) has the checkpoint's tensors.
 
@@ -106,6 +108,7 @@ def restore_state(
     training.load(state)
     if saved == now:
         restore_rng_state(state["rng"][get_rank()])
+    _restore_hook(comm_hook_of(training.model), state.get("comm_hook"), name, saved, now)
     extra, loader = state.get("extra"), state.get("loader")
     return Restored(
         position,
@@ -115,6 +118,32 @@ def restore_state(
         extra if isinstance(extra, dict) else None,
         list(loader) if isinstance(loader, list | tuple) else None,
     )
+
+
+def _restore_hook(hook: CommHook | None, saved: Any, name: str, world: int, now: int) -> None:
+    """Give this rank its own PowerSGD state back; say so when it starts afresh instead."""
+    if hook is None or hook.state is None:
+        if isinstance(saved, list) and hook is not None and get_rank() == 0:
+            warnings.warn(
+                f"{name} holds each rank's PowerSGD state, and this run's comm hook is "
+                f"{hook.kind or 'none'}: it is not used",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return
+    if world != now:
+        why: str | None = f"it was saved by {world} ranks and this job has {now}"
+    elif not isinstance(saved, list) or len(saved) != now:
+        why = "it holds no PowerSGD state (it was saved without comm_hook='powersgd')"
+    else:
+        why = hook.load_state_dict(saved[get_rank()])
+    if why is not None and get_rank() == 0:
+        warnings.warn(
+            f"{name}: PowerSGD's error feedback and P/Q memories start afresh on every rank, "
+            f"so the run is not bit-exact with an unbroken one: {why}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _check_rng_list(rng: Any, world_size: int) -> None:

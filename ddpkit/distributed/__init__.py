@@ -13,7 +13,9 @@ creates the process group (``process_group``)::
         model = wrap_ddp(build_model(), sync_bn=True)
         ...
 
-Every helper here works with and without a process group (``comm``,
+``wrap_ddp(model, comm_hook="bf16" | "fp16" | "powersgd")`` compresses the
+gradients a step sends (``compression``: the bytes counted, PowerSGD's state
+per rank). Every helper here works with and without a process group (``comm``,
 ``rank0``), so one script runs as one process or many. A job stops together:
 ``stops`` agrees on the step after which every rank stops on a signal
 (:class:`Preempted`, exit status 75), and ``watchdog`` names a rank that
@@ -37,6 +39,8 @@ if TYPE_CHECKING:  # the public names, each listed once (ddpkit._lazy)
     from ddpkit.distributed.comm import get_rank as get_rank
     from ddpkit.distributed.comm import get_world_size as get_world_size
     from ddpkit.distributed.comm import is_main_process as is_main_process
+    from ddpkit.distributed.compression import CommHook as CommHook
+    from ddpkit.distributed.compression import comm_hook_of as comm_hook_of
     from ddpkit.distributed.devices import cpu_share as cpu_share
     from ddpkit.distributed.exits import expected_errors as expected_errors
     from ddpkit.distributed.interfaces import NetworkConfigError as NetworkConfigError

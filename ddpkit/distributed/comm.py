@@ -160,6 +160,22 @@ def all_gather_object(obj: _T, *, patient: bool = False) -> list[_T]:
     return gathered
 
 
+def gather_object(obj: _T, dst: int, *, patient: bool = False) -> list[_T] | None:
+    """Gather one picklable object from every rank on rank ``dst`` alone, in rank order.
+
+    Like :func:`all_gather_object`, for objects too large for every rank to hold
+    every rank's (PowerSGD's per-rank state). All ranks must call this, or it deadlocks.
+
+    Returns:
+        ``[obj_from_rank_0, ...]`` on ``dst``; None on the other ranks.
+    """
+    if not is_dist_initialized():
+        return [obj]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if get_rank() == dst else None
+    dist.gather_object(obj, gathered, dst=dst, group=_patient_group() if patient else None)
+    return gathered
+
+
 def _patient_group() -> Any:
     key = id(dist.group.WORLD)
     if key not in _PATIENT:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpkit.distributed.compression import CommHook, check_comm_hook
 from ddpkit.distributed.devices import collective_device, model_device
 
 __all__ = ["no_sync", "sync_buffers", "unwrap_model", "wrap_ddp"]
@@ -38,6 +39,10 @@ def wrap_ddp(
     model: nn.Module,
     sync_bn: bool = True,
     device: torch.device | str | None = None,
+    comm_hook: str | None = None,
+    powersgd_rank: int | None = None,
+    powersgd_warmup: int | None = None,
+    powersgd_error_feedback: bool | None = None,
     **ddp_kwargs: Any,
 ) -> nn.Module:
     """Prepare ``model`` for training on this rank: SyncBatchNorm, device, DDP.
@@ -51,6 +56,13 @@ def wrap_ddp(
     2. The model moves to ``device``.
     3. It is wrapped in ``DistributedDataParallel``, with
        ``device_ids=[device.index]`` on CUDA and none on CPU.
+    4. ``comm_hook`` compresses the gradients each step sends: ``"bf16"`` or
+       ``"fp16"`` all-reduce half the bytes, ``"powersgd"`` a low-rank
+       approximation of each gradient matrix, with error feedback
+       (PyTorch's DDP communication hooks). Each rank's PowerSGD state is
+       saved in every checkpoint and restored to the same rank; the bytes a
+       step sends are on the epoch line (docs/training.md, "Gradients over a
+       slow link").
 
     Without a process group the model is only moved to ``device`` and returned
     unwrapped, so one script runs on one process and on many.
@@ -65,6 +77,13 @@ def wrap_ddp(
         device: where the model runs. Default: ``cuda:<current device>`` with a
             NCCL process group, else CPU; without a process group
             ``cuda:<current device>`` when CUDA is available, else CPU.
+        comm_hook: None (DDP's own fp32 all-reduce), ``"bf16"``, ``"fp16"`` or
+            ``"powersgd"``. Checked on one process too; it runs with a process group.
+        powersgd_rank: PowerSGD's matrix approximation rank (PyTorch's default 1).
+        powersgd_warmup: the steps of plain all-reduce before PowerSGD compresses
+            (PyTorch's ``start_powerSGD_iter``, default 1000; at least 2).
+        powersgd_error_feedback: keep each rank's compression error and add it
+            to the next step's gradient (PyTorch's default True).
         **ddp_kwargs: passed to ``DistributedDataParallel`` under its own
             names (``find_unused_parameters``, ``gradient_as_bucket_view``,
             ``static_graph``, ``broadcast_buffers``, ``bucket_cap_mb`` ...).
@@ -76,7 +95,9 @@ def wrap_ddp(
 
     Raises:
         ValueError: ``model`` is already wrapped in DDP, has no parameter that
-            requires grad, or ``ddp_kwargs`` names ``device_ids`` / ``output_device``.
+            requires grad, or ``ddp_kwargs`` names ``device_ids`` / ``output_device``;
+            ``comm_hook`` is unknown, cannot run on this backend or these gradients, or a
+            ``powersgd_*`` option is out of range or given without ``"powersgd"``.
         TypeError: ``ddp_kwargs`` holds a name ``DistributedDataParallel`` does not take.
 
     Example:
@@ -100,6 +121,14 @@ def wrap_ddp(
         )
 
     distributed = dist.is_available() and dist.is_initialized()
+    given = {
+        "powersgd_rank": powersgd_rank,
+        "powersgd_warmup": powersgd_warmup,
+        "powersgd_error_feedback": powersgd_error_feedback,
+    }
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    backend = dist.get_backend() if distributed else None
+    options = check_comm_hook(comm_hook, trainable, backend, given)
     dev = model_device(device, distributed)
     if not distributed:
         return model.to(dev)
@@ -115,10 +144,13 @@ def wrap_ddp(
             )
     model = model.to(dev)
     if dev.type == "cuda":
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model, device_ids=[dev.index], output_device=dev.index, **ddp_kwargs
         )
-    return DistributedDataParallel(model, **ddp_kwargs)
+    else:
+        ddp = DistributedDataParallel(model, **ddp_kwargs)
+    CommHook(ddp, comm_hook, options)
+    return ddp
 
 
 def unwrap_model(model: nn.Module | Callable[..., Any]) -> nn.Module:

@@ -54,7 +54,15 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
     classes = len(train_set.classes)
     if not timm.is_model(args.arch):  # timm's own error names no way out
         raise ValueError(f"--arch {args.arch}: timm has no such model (timm.list_models())")
-    model = ddpkit.wrap_ddp(timm.create_model(args.arch, num_classes=classes), sync_bn=True)
+    model = ddpkit.wrap_ddp(
+        timm.create_model(args.arch, num_classes=classes),
+        sync_bn=True,
+        comm_hook=args.comm_hook,  # compressed gradients: each rank's state in the checkpoints
+        powersgd_rank=args.powersgd_rank,
+        powersgd_warmup=args.powersgd_warmup,
+        powersgd_error_feedback=False if args.no_powersgd_error_feedback else None,
+    )
+    traffic = ddpkit.comm_hook_of(model)  # what each step all-reduces (None: one process)
     # The recipe's loss, optimizer and schedule.
     criterion = ddpkit.FocalLoss(alpha=0.25, gamma=2, num_class=classes, smooth=0.1)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=1e-4)
@@ -83,6 +91,7 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
         first = guard.resume(train_loader) if args.resume or manager.claim() else 0
         for epoch in range(first, args.epochs):
             model.train()
+            sent = traffic.counted() if traffic is not None else (0, 0)
             part = guard.batches(train_loader, epoch)  # set_epoch, and where a resume stood
             for images, targets in part:
                 images = ddpkit.normalize_batch(images.to(info.device))  # uint8 -> float
@@ -96,9 +105,11 @@ def train(info: ddpkit.DistInfo, args: argparse.Namespace) -> dict[str, Any]:
                 averaged = ddpkit.evaluate(ema.module, val_loader, criterion=criterion)
                 metrics["ema_acc1"] = averaged["acc1"]
             if info.is_main:
+                per_step = traffic.bytes_per_step(sent) if traffic is not None else None
+                comm = f", all-reduce {per_step / 1e6:.3g} MB/step" if per_step else ""
                 print(
                     f"epoch {epoch + 1}/{args.epochs}: step {guard.step}, val acc1 "
-                    f"{val['acc1']:.2f}%, loss {val['loss']:.4f}",
+                    f"{val['acc1']:.2f}%, loss {val['loss']:.4f}{comm}",
                     flush=True,
                 )
             guard.end_epoch(epoch, metrics=metrics)
@@ -119,6 +130,10 @@ FLAGS = (
     _f("--milestones", type=_number(int, 0, strict=True), nargs="*", default=[30, 60, 80]),
     _f("--seed", type=_number(int, 0), default=0),
     _f("--amp", choices=["bf16", "fp16"], help="mixed precision (bf16 on CPUs)"),
+    _f("--comm-hook", choices=["bf16", "fp16", "powersgd"], help="compress the gradients sent"),
+    _f("--powersgd-rank", type=INT1, metavar="R", help="PowerSGD's rank (default 1)"),
+    _f("--powersgd-warmup", type=_number(int, 2), metavar="STEPS", help="default 1000"),
+    _f("--no-powersgd-error-feedback", action="store_true", help="PowerSGD without it"),
     _f("--grad-accum-steps", type=INT1, default=1, metavar="N", help="micro-batches per step"),
     _f("--clip-grad", type=_number(float, 0, strict=True), metavar="NORM", help="clip to"),
     _f("--model-ema", action="store_true", help="evaluate a moving average of the weights too"),
@@ -144,6 +159,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         line.parser.error("--data DIR is required")
     if not args.model_ema_decay < 1:
         line.parser.error(f"argument --model-ema-decay: must be < 1, got {args.model_ema_decay}")
+    powersgd = (args.powersgd_rank, args.powersgd_warmup, args.no_powersgd_error_feedback or None)
+    if any(o is not None for o in powersgd) and args.comm_hook != "powersgd":
+        line.parser.error("--powersgd-* set PowerSGD's options: add --comm-hook powersgd")
     if args.batch_size % args.nproc_per_node:
         line.parser.error(
             f"-b {args.batch_size} is not divisible by --nproc-per-node {args.nproc_per_node}"

@@ -85,6 +85,10 @@ FLAGS = (
     _f("--clip-grad", type=POSITIVE, metavar="NORM", help="clip the gradients' total norm"),
     _f("--compile", action="store_true", help="torch.compile the model"),
     _f("--amp", choices=["bf16", "fp16"], help="mixed precision"),
+    _f("--comm-hook", choices=["bf16", "fp16", "powersgd"], help="compress gradients (below)"),
+    _f("--powersgd-rank", type=INT1, metavar="R", help="PowerSGD's rank (default 1)"),
+    _f("--powersgd-warmup", type=_number(int, 2), metavar="STEPS", help="default 1000 (below)"),
+    _f("--no-powersgd-error-feedback", action="store_true", help="PowerSGD without it"),
     _f("--min-crop", type=SHARE, default=0.08, metavar="AREA", help="the crop's least area"),
     _f("--seed", type=INT0, default=0),
     _f("--checkpoints", default="checkpoints", metavar="DIR|URL", help="or s3://bucket/prefix"),
@@ -145,6 +149,9 @@ NOTES = """\
   checkpoint (epoch, step or interrupted) any node holds.
 --on-data-change: a mid-epoch checkpoint of a changed training set is refused (error), or
   the next epoch starts on the new data (next-epoch).
+--comm-hook: what each step's all-reduce sends: bf16 / fp16 (half the bytes) or powersgd
+  (a low-rank approximation, after --powersgd-warmup steps of plain all-reduce); each
+  rank's PowerSGD state is in every checkpoint. Pays on slow links (docs/training.md).
 --profile-steps A:B records optimizer steps A to B-1 with torch.profiler in LOG_DIR/profile.
 --demo-recipe modern: a warm-up epoch, cosine, EMA; classic: x0.1 for the last epoch.
 --config FILE: YAML or TOML, flag: value (batch_size: 512), at most 1 MiB; the command
@@ -226,6 +233,10 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             f"argument --aug-magnitude: --auto-augment {args.auto_augment} takes "
             f"{low}..{high}, got {args.aug_magnitude}"
         )
+    powersgd = [f for f in ("rank", "warmup") if getattr(args, f"powersgd_{f}") is not None]
+    powersgd += ["no-error-feedback"] if args.no_powersgd_error_feedback else []
+    if powersgd and args.comm_hook != "powersgd":
+        p.error(f"--powersgd-{powersgd[0]} sets PowerSGD's options: add --comm-hook powersgd")
     if not 0 < args.model_ema_decay < 1:
         p.error(f"--model-ema-decay must lie between 0 and 1, got {args.model_ema_decay}")
     processes = (args.nprocs or gpus) * args.world_size if mpd else args.world_size

@@ -84,7 +84,14 @@ def train(
     if cuda:  # the recipe's setting: cuDNN picks the fastest kernels for fixed input sizes
         torch.backends.cudnn.benchmark = True
         net = net.to(memory_format=torch.channels_last)  # with channels_last batches, below
-    model = ddpkit.wrap_ddp(net, device=info.device)
+    model = ddpkit.wrap_ddp(
+        net,
+        device=info.device,
+        comm_hook=args.comm_hook,  # compressed gradients: each rank's state in the checkpoints
+        powersgd_rank=args.powersgd_rank,
+        powersgd_warmup=args.powersgd_warmup,
+        powersgd_error_feedback=False if args.no_powersgd_error_feedback else None,
+    )
     ema = ddpkit.model_ema(model, decay=args.model_ema_decay) if args.model_ema else None
     if args.compile:
         model = torch.compile(model)  # type: ignore[assignment]
@@ -365,6 +372,9 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         "rank": 0,
         "dist_url": None,
     }
+    if args.comm_hook == "powersgd" and args.powersgd_warmup is None:
+        # PyTorch's 1000 steps of plain all-reduce outlast the demo: one epoch's, as the rate's
+        settings["powersgd_warmup"] = max(2, images // settings["batch_size"])
     sources = {**args.sources, **dict.fromkeys(settings, "demo")}
     first = argparse.Namespace(**{**vars(args), **settings, "sources": sources})
     run(first, schedule_epochs=first.epochs + 1)  # the schedule spans both jobs: 7 of its 8

@@ -26,6 +26,7 @@ from ddpkit.checkpoint.state import TrainingState
 from ddpkit.data import gpu_decode
 from ddpkit.data.resume import EpochBatches
 from ddpkit.distributed import comm
+from ddpkit.distributed.compression import comm_hook_of
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.evaluation import Criterion, to_device
 from ddpkit.training.guard import StepGuard
@@ -89,6 +90,8 @@ def train_epoch(
     state.model.train()
     split = [comm.get_world_size(), getattr(loader, "batch_size", None) or 0, config.grad_accum]
     totals = _Totals.carried_over(carried or {}, dev, split)
+    traffic = comm_hook_of(state.model)  # what each step all-reduces (wrap_ddp's models)
+    sent = traffic.counted() if traffic is not None else (0, 0)
     if dev.type == "cuda":  # the record's peak memory is this epoch's
         torch.cuda.reset_peak_memory_stats(dev)
     progress = _Progress(run.reporter, part.total, part.done, epoch, epochs, dev)
@@ -127,6 +130,9 @@ def train_epoch(
             f"{empty if isinstance(empty, str) else f'rank(s) {empty}'}, and the ranks end an "
             "epoch together. Check that every rank's data (its shards) is there"
         )
+    if traffic is not None:
+        record["comm_hook"] = traffic.kind or "none"
+        record["comm_bytes_per_step"] = traffic.bytes_per_step(sent)
     return record | {"peak_memory_mb": totals.peak_mb}
 
 

@@ -56,6 +56,9 @@ def epoch_line(record: dict[str, Any], epochs: int | None = None) -> str:
         parts.append(f"worst class {record['val_worst_class']} {worst:.1f}%")
     if "train_images_per_sec" in record:
         parts.append(f"{record['train_images_per_sec']:.0f} img/s")
+    sent = record.get("comm_bytes_per_step")
+    if isinstance(sent, int | float):
+        parts.append(f"all-reduce {_megabytes(sent)}/step ({record.get('comm_hook', 'none')})")
     wait = record.get("data_wait")
     if isinstance(wait, float):
         parts.append(f"data wait {wait:.0%}")
@@ -87,6 +90,11 @@ def epoch_line(record: dict[str, Any], epochs: int | None = None) -> str:
             "(decode='tensor'), or a copy of the LMDB on a local disk"
         )
     return line
+
+
+def _megabytes(count: float) -> str:
+    """``12.3 MB``, ``0.0412 MB``: three significant digits of a byte count, in MB."""
+    return f"{count / 1e6:.3g} MB"
 
 
 def _world_change(splits: Any) -> str | None:

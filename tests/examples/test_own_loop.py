@@ -56,9 +56,11 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _shapes(tmp_path_factory.mktemp("shapes"), 16)
 
 
-# The step's every part, as fit's: mixed precision, accumulation, clipping, the average.
+# The step's every part, as fit's: mixed precision, accumulation, clipping, the average;
+# and PowerSGD from step 2 on, whose per-rank state the resumes must give back.
 STEP_FLAGS = ("--amp", "bf16", "--grad-accum-steps", "2", "--clip-grad", "1.0",
-              "--model-ema", "--model-ema-decay", "0.999")  # fmt: skip
+              "--model-ema", "--model-ema-decay", "0.999",
+              "--comm-hook", "powersgd", "--powersgd-warmup", "2")  # fmt: skip
 
 
 def _flags(data: Path, checkpoints: Path, *extra: str) -> list[str]:
@@ -96,6 +98,7 @@ def reference(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     checkpoints = tmp_path_factory.mktemp("reference")
     out = _run(data, checkpoints)
     assert "epoch 2/2: step 12, val acc1" in out, shown(out)
+    assert re.search(r"epoch 2/2: .*, all-reduce [\d.e-]+ MB/step", out), shown(out)
     return _weights(checkpoints)
 
 
@@ -165,6 +168,7 @@ def test_the_flags_take_a_config_file_and_check_the_batch(
         ([], "--data DIR is required"),
         (["--data", "d", "-b", "5", "--nproc-per-node", "2"], "-b 5 is not divisible by"),
         (["--data", "d", "--model-ema-decay", "1"], "--model-ema-decay: must be < 1"),
+        (["--data", "d", "--powersgd-rank", "2"], "--powersgd-* set PowerSGD's options"),
     ):
         with pytest.raises(SystemExit) as exited:
             own_loop.parse_args(argv)

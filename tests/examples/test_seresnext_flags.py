@@ -54,7 +54,7 @@ def test_flags_hold_every_flag_and_group_of_the_parser() -> None:
     # argparse's own lists, read here only to check the example's copy of them.
     own = [a for a in flags.parser._actions if a.dest != "help"]
     assert list(flags.actions) == own
-    assert len(own) == 66
+    assert len(own) == 70
     groups = flags.parser._mutually_exclusive_groups
     assert list(flags.exclusive) == [tuple(a.dest for a in g._group_actions) for g in groups]
     assert flags.exclusive == (("requires_grad", "freeze_backbone"), ("lr", "lr_base"))
@@ -62,6 +62,22 @@ def test_flags_hold_every_flag_and_group_of_the_parser() -> None:
     assert vars(flags.bare.parse_known_args([])[0]) == {}
     with pytest.raises(argparse.ArgumentError, match="must be >= 1"):
         flags.bare.parse_known_args(["--epochs", "0"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--powersgd-rank", "2"], ["--comm-hook", "bf16", "--powersgd-warmup", "10"],
+     ["--no-powersgd-error-feedback"]],
+)  # fmt: skip
+def test_powersgds_options_need_its_hook(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        example.parse_args(["--data", "d", *argv])
+    assert exited.value.code == 2
+    assert "sets PowerSGD's options: add --comm-hook powersgd" in capsys.readouterr().err
+    args = example.parse_args(["--data", "d", "--comm-hook", "powersgd", *argv[-2:]])
+    assert args.comm_hook == "powersgd"
 
 
 def test_parsing_changes_no_default_of_the_parser(tmp_path: Path) -> None:

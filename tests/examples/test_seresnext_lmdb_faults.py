@@ -1,16 +1,19 @@
 """The example survives faults: torchrun and spawn restarts, SIGTERM to the launcher, new world.
 
 Each run is the real ``examples/seresnext_lmdb.py`` on 2 CPU processes (Gloo)
-with timm's tiny ``test_resnet`` on a small shapes LMDB, step checkpoints
-every 2 steps. torchrun's runs that get a kill or SIGTERM have data workers
-from a forkserver (``--worker-start``); the other runs read without workers
-(``-j 0``): a sample's augmentation depends on (seed, epoch, index) alone, so
-they see the same batches, and the weights every interrupted and resumed run
-ends with must be the uninterrupted run's, ``torch.equal``. The launchers start from the
-suite's preloaded server (``tests/helpers/warm.py``). The ranks ``spawn``
-starts are fresh interpreters, as in a user's job; torchrun's workers start
-from the server too (``torchrun_warm_env``), so the runs that need no
-``spawn`` (the reference, the resumed runs, torchrun's faults) use torchrun.
+with timm's tiny ``test_resnet`` on a small shapes LMDB, step checkpoints every
+2 steps, and PowerSGD gradient compression from step 2 on (``--comm-hook
+powersgd``), whose per-rank state each resume must give back. torchrun's runs
+that get a kill or SIGTERM have data workers from a forkserver
+(``--worker-start``); the other runs read without workers (``-j 0``): a
+sample's augmentation depends on (seed, epoch, index) alone, so they see the
+same batches, and the weights and optimizer momenta every interrupted and
+resumed run ends with must be the uninterrupted run's, ``torch.equal``. The
+launchers start from the suite's preloaded server (``tests/helpers/warm.py``).
+The ranks ``spawn`` starts are fresh interpreters, as in a user's job;
+torchrun's workers start from the server too (``torchrun_warm_env``), so the
+runs that need no ``spawn`` (the reference, the resumed runs, torchrun's
+faults) use torchrun.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def _args(data: Path, checkpoints: Path, *extra: str, workers: int = 2) -> list[
             "--epochs", str(EPOCHS), "-b", "12", "-j", str(workers), "--requires-grad",
             "--lr", "0.05", "--checkpoints", str(checkpoints), "--save-every-steps", "2",
             "--network", "tiny", "--dist-backend", "gloo", "--worker-start", "forkserver",
-            *extra]  # fmt: skip
+            "--comm-hook", "powersgd", "--powersgd-warmup", "2", *extra]  # fmt: skip
 
 
 def _torchrun(*extra: str, nprocs: int = 2) -> list[str]:
@@ -119,7 +122,14 @@ def _terminate_launcher(checkpoints: Path, step: int) -> Callable[[WarmProcess],
 
 
 def _final(checkpoints: Path) -> dict[str, torch.Tensor]:
-    return load_checkpoint(checkpoints / "latest.pth")["model"]
+    """The last weights and the optimizer's momenta."""
+    state = load_checkpoint(checkpoints / "latest.pth")
+    momenta = {
+        f"momentum {i}": s["momentum_buffer"] for i, s in state["optimizer"]["state"].items()
+    }
+    assert momenta
+    assert len(state["comm_hook"]) == 2  # each rank's PowerSGD state
+    return state["model"] | momenta
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +211,13 @@ def _assert_stop_checkpoint(out: str) -> None:
 def test_torchrun_restarts_a_killed_worker_and_ends_bit_exact(
     data: Path, reference: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
+    # Killed in epoch 2 (steps 8 to 15), with PowerSGD compressing since step 2.
     command = [*_torchrun("--max-restarts", "3"), *_args(data, tmp_path, "--resume")]
-    out = _run(command, _kill_a_worker(tmp_path, 6))
-    resumed = re.search(r"resuming at epoch \d+ step (\d+) \(\d+ batches of the epoch done\)", out)
+    out = _run(command, _kill_a_worker(tmp_path, 10))
+    resumed = re.search(r"resuming at epoch 2 step (\d+) \(\d+ batches of the epoch done\)", out)
     assert resumed, _shown(out)
-    assert int(resumed.group(1)) >= 6  # from a step checkpoint, not from the start
+    assert int(resumed.group(1)) >= 10  # from a step checkpoint, not from the start
+    assert "start afresh" not in out, _shown(out)
     _assert_equal(_final(tmp_path), reference)
 
 
@@ -237,6 +249,8 @@ def test_a_2_rank_run_continues_on_3_with_a_warning(
     code, out, checkpoints = _resumed(spawn_job, data, tmp_path_factory, 3)
     assert code == 0, _shown(out)
     assert "not bit-exact" in out, _shown(out)
+    assert "PowerSGD's error feedback and P/Q memories start afresh" in out, _shown(out)
+    assert "saved by 2 ranks and this job has 3" in out, _shown(out)
     assert f"epoch {EPOCHS}/{EPOCHS}: train_loss" in out, _shown(out)
     assert load_checkpoint(checkpoints / "latest.pth")["world_size"] == 3
 
