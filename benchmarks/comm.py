@@ -98,11 +98,17 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _missing() -> str | None:
+    """Why this machine cannot make the link, or None."""
     if sys.platform != "linux" or os.geteuid() != 0:
         return "needs Linux and root to make network namespaces"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"needs `{tool}` (iproute2) to make and limit the link"
+    probe = f"dkb-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` failed here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 

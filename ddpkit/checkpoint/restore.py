@@ -140,7 +140,8 @@ def _restore_hook(hook: CommHook | None, saved: Any, name: str, world: int, now:
     if why is not None and get_rank() == 0:
         warnings.warn(
             f"{name}: PowerSGD's error feedback and P/Q memories start afresh on every rank, "
-            f"so the run is not bit-exact with an unbroken one: {why}",
+            f"so the run is not bit-exact with an unbroken one: {why}. "
+            + see("gradient-compression-comm_hook"),
             RuntimeWarning,
             stacklevel=4,
         )

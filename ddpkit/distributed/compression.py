@@ -34,6 +34,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.futures import Future
 
+from ddpkit._docs import see
 from ddpkit._numbers import as_int
 from ddpkit.rng import numpy_state, set_numpy_state
 
@@ -47,6 +48,7 @@ COMM_HOOKS = ("bf16", "fp16", "powersgd")
 # PyTorch's defaults (PowerSGDState), under ddpkit's names.
 POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_warmup": 1000, "powersgd_error_feedback": True}
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_SEE = "gradient-compression-comm_hook"
 _HOOKS: weakref.WeakKeyDictionary[nn.Module, CommHook] = weakref.WeakKeyDictionary()
 
 
@@ -67,12 +69,12 @@ def check_comm_hook(
     if name is not None and name not in COMM_HOOKS:
         raise ValueError(
             f"comm_hook={name!r} is not a hook ddpkit knows: pass one of {list(COMM_HOOKS)}, "
-            "or None for DDP's own fp32 all-reduce"
+            "or None for DDP's own fp32 all-reduce. " + see(_SEE)
         )
     if name != "powersgd" and given:
         raise ValueError(
             f"{', '.join(sorted(given))} set PowerSGD's options, and comm_hook is {name!r}: "
-            "pass comm_hook='powersgd' (--comm-hook powersgd), or leave them out"
+            "pass comm_hook='powersgd' (--comm-hook powersgd), or leave them out. " + see(_SEE)
         )
     chosen = {**POWERSGD_DEFAULTS, **given}
     if name == "powersgd":
@@ -88,18 +90,19 @@ def check_comm_hook(
         if wide:
             raise ValueError(
                 f"comm_hook={name!r} halves fp32 gradients, and this model's are already "
-                f"{', '.join(wide)}: they would travel as they are. Use no hook, or 'powersgd'"
+                f"{', '.join(wide)}: they would travel as they are. Use no hook, or 'powersgd'. "
+                + see(_SEE)
             )
         nccl = torch.cuda.nccl.version() if backend == "nccl" else None  # type: ignore[no-untyped-call]
         if name == "bf16" and nccl is not None and nccl < (2, 10):
             raise ValueError(
                 f"comm_hook='bf16' needs NCCL 2.10 or newer to all-reduce bfloat16, and this "
-                f"torch has NCCL {'.'.join(map(str, nccl))}: use 'fp16'"
+                f"torch has NCCL {'.'.join(map(str, nccl))}: use 'fp16'. " + see(_SEE)
             )
     if name is not None and backend not in (None, "nccl", "gloo"):
         raise ValueError(
             f"comm_hook={name!r} runs on the NCCL and Gloo backends, and this process group's "
-            f"is {backend!r}: use no hook there, or --dist-backend nccl / gloo"
+            f"is {backend!r}: use no hook there, or --dist-backend nccl / gloo. " + see(_SEE)
         )
     return chosen if name == "powersgd" else {}
 
@@ -156,8 +159,11 @@ class CommHook:
             register(self, lambda hook, bucket: hook.run(bucket))
 
     def bytes_per_step(self, since: tuple[int, int] = (0, 0)) -> float | None:
-        """Bytes a step handed to all-reduces on this rank, on average since ``since``
-        (a :meth:`counted` pair); DDP's own all-reduce: every gradient's. None: no step."""
+        """Bytes a step handed to all-reduces on this rank, on average since ``since``.
+
+        ``since`` is a :meth:`counted` pair; without a hook, every gradient's bytes;
+        None when no step was counted since.
+        """
         if self.kind is None:
             return float(self.full_bytes)
         steps = self.steps - since[1]
@@ -168,11 +174,23 @@ class CommHook:
         return self.sent, self.steps
 
     def run(self, bucket: Any) -> Future[Any]:
-        """The hook DDP calls for each bucket: after the bucket before it has finished."""
-        result: Future[Any] = Future()
-        self._tail.then(lambda _: _settle(result, lambda: self._bucket(bucket)))
+        """The hook DDP calls for each bucket: after the bucket before it has finished.
+
+        A step's first bucket (index 0; DDP launches them in order) starts at once:
+        the step before ended with all its buckets done, or failed, whose last
+        bucket then never finishes.
+        """
+        result = self._future()
+        tail = _done(None) if bucket.index() == 0 else self._tail
+        tail.then(lambda _: _settle(result, lambda: self._bucket(bucket)))
         self._tail = result
         return result
+
+    def _future(self) -> Future[Any]:
+        # A CUDA value in a future that expects none is an error; with its device the
+        # future records the value's stream, so DDP's reads wait for the all-reduce.
+        cuda = self._device.type == "cuda"
+        return Future(devices=[self._device]) if cuda else Future()
 
     def _bucket(self, bucket: Any) -> Future[Any]:
         if bucket.is_last():
@@ -192,7 +210,8 @@ class CommHook:
             logger.warning(
                 "PowerSGD: DDP's gradient buckets are not the ones its memories were kept "
                 "for; its error feedback and P/Q memories start afresh, so the run is not "
-                "bit-exact with an unbroken one from here"
+                "bit-exact with an unbroken one from here. %s",
+                see(_SEE),
             )
             self._forget()
         self._seen.append(params)
@@ -227,7 +246,7 @@ class CommHook:
         self._seen = []
         tail: Future[Any] = _done(None)
         for part in parts:
-            nxt: Future[Any] = Future()
+            nxt = self._future()
             tail.then(functools.partial(self._after, nxt, part))
             tail = nxt
 

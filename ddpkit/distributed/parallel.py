@@ -126,10 +126,10 @@ def wrap_ddp(
         "powersgd_warmup": powersgd_warmup,
         "powersgd_error_feedback": powersgd_error_feedback,
     }
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    backend = dist.get_backend() if distributed else None
-    options = check_comm_hook(comm_hook, trainable, backend, given)
     dev = model_device(device, distributed)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    backend = _backend_of(dev) if distributed else None
+    options = check_comm_hook(comm_hook, trainable, backend, given)
     if not distributed:
         return model.to(dev)
 
@@ -256,6 +256,15 @@ def no_sync(
         return contextlib.nullcontext()
     context: AbstractContextManager[Any] = ddp.no_sync()
     return context
+
+
+def _backend_of(dev: torch.device) -> str:
+    """The process group's backend for tensors on ``dev``: ``"cpu:gloo,cuda:nccl"`` has two."""
+    backend = str(dist.get_backend())
+    if ":" not in backend:
+        return backend
+    by_device = dict(part.split(":", 1) for part in backend.split(","))
+    return by_device.get(dev.type, backend)
 
 
 def _compiled_inner(model: nn.Module) -> nn.Module | None:

@@ -11,6 +11,7 @@ points of that run.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -71,6 +72,10 @@ def test_bf16_and_powersgd_learn_digits_as_well(digits: Path, tmp_path: Path) ->
     print(f"val acc1 after {EPOCHS} epochs: none {plain}%, bf16 {bf16}%, powersgd {powersgd}%")
     assert len(sent) == EPOCHS, sent
     assert sent[-1] < sent[0] / 4, sent  # it compressed after its warm-up epoch
+    records = [json.loads(line) for line in (tmp_path / "powersgd" / "metrics.jsonl").open()]
+    epochs = [r for r in records if "epoch" in r and "comm_hook" in r]
+    assert [r["comm_hook"] for r in epochs] == ["powersgd"] * EPOCHS
+    assert epochs[-1]["comm_bytes_per_step"] == pytest.approx(sent[-1] * 1e6, rel=0.01)
     assert plain >= 90, plain
     assert bf16 >= 90, (plain, bf16)
     assert powersgd >= plain - 2, (plain, powersgd)

@@ -1,10 +1,10 @@
 """The GPU battery: every CUDA and NCCL path, run by ``make gpu-check`` (and skipped without CUDA).
 
-NCCL through init_distributed, SyncBN across ranks, fit with fp16 / bf16 /
-channels-last / torch.compile killed and resumed bit-exactly, the flight
-recorder's NCCL report of a desync, the example's demo, pinned batches, and
-decoding on the GPU. Each test has a hard timeout; those that need two GPUs
-say so where there is one.
+NCCL through init_distributed, the gradient compression hooks, SyncBN
+across ranks, fit with fp16 / bf16 / channels-last / torch.compile killed and
+resumed bit-exactly, the flight recorder's NCCL report of a desync, the
+example's demo, pinned batches, and decoding on the GPU. Each test has a hard
+timeout; those that need two GPUs say so where there is one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ from typing import Any
 
 import pytest
 import torch
-from gpu_jobs import env_for_determinism, fit_on_gpu, loader_on_gpu, nccl_info, sync_bn
+from gpu_jobs import (
+    comm_hooks,
+    env_for_determinism,
+    fit_on_gpu,
+    loader_on_gpu,
+    nccl_info,
+    sync_bn,
+)
 
 import ddpkit
 from ddpkit.distributed.hang_report import REPORT_FILE
@@ -51,6 +58,19 @@ def test_init_distributed_with_nccl_binds_each_rank_to_its_gpu(tmp_path: Path) -
         assert record["device"] == f"cuda:{rank}"
         assert record["current_device"] == record["local_rank"] == rank
         assert record["sum"] == world * (world + 1) / 2
+
+
+def test_comm_hooks_run_over_nccl_and_powersgd_resumes_bit_exact(tmp_path: Path) -> None:
+    world = _world(2)
+    _spawn(comm_hooks, world, str(tmp_path))
+    for rank in range(world):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        full = record["None"]["full"]
+        assert record["None"]["per_step"] == full
+        assert record["bf16"]["per_step"] == record["fp16"]["per_step"] == full / 2
+        assert 0 < record["powersgd"]["per_step"] < full
+        assert record["loaded"] is None
+        assert record["resumed_equal"], record
 
 
 def test_sync_bn_is_converted_and_steps(tmp_path: Path) -> None:

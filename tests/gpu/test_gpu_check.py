@@ -26,7 +26,7 @@ def test_gpu_check_says_there_is_no_gpu_lists_its_checks_and_succeeds() -> None:
     lines = done.stdout.splitlines()
     assert lines[0].startswith("make gpu-check: no CUDA device here")
     listed = [line.strip() for line in lines if "tests/gpu/test_gpu.py::" in line]
-    assert len(listed) == 10
+    assert len(listed) == 11
     assert sum(line.endswith("(needs 2 GPUs)") for line in listed) == 2
     assert any("fit_on_cuda_killed_mid_epoch_resumes_bit_exact[bf16-compile]" in x for x in listed)
     assert "benchmarks/gpu.py" in lines[-1]

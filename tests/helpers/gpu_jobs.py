@@ -8,6 +8,7 @@ own process.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -157,3 +158,50 @@ def loader_on_gpu(info: ddpkit.DistInfo, out: str) -> None:
 def env_for_determinism() -> dict[str, str]:
     """What cuBLAS needs for deterministic algorithms, for the processes a test starts."""
     return {"CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")}
+
+
+def comm_hooks(info: ddpkit.DistInfo, out: str) -> None:
+    """Each comm hook over NCCL: 6 steps, the bytes counted; PowerSGD stopped and resumed."""
+    from ddpkit.distributed.compression import comm_hook_of
+
+    def wrapped(hook: str | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 36, 10))
+        extra: dict[str, Any] = {"powersgd_warmup": 2} if hook == "powersgd" else {}
+        model = ddpkit.wrap_ddp(net, comm_hook=hook, bucket_cap_mb=0.01, **extra)
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, i: int) -> None:
+        g = torch.Generator().manual_seed(100 * i + info.rank)
+        x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+        nn.functional.cross_entropy(model(x.to(info.device)), y.to(info.device)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    record: dict[str, Any] = {}
+    for hook in (None, "bf16", "fp16", "powersgd"):
+        model, optimizer = wrapped(hook)
+        for i in range(6):
+            step(model, optimizer, i)
+        counter = comm_hook_of(model)
+        assert counter is not None
+        record[str(hook)] = {"full": counter.full_bytes, "per_step": counter.bytes_per_step()}
+    model, optimizer = wrapped("powersgd")
+    for i in range(4):
+        step(model, optimizer, i)
+    # Copies, as a checkpoint file holds: state dicts hold the live tensors.
+    hook = comm_hook_of(model)
+    assert hook is not None
+    saved = copy.deepcopy([hook.state_dict(), model.state_dict(), optimizer.state_dict()])
+    for i in range(4, 8):
+        step(model, optimizer, i)
+    reference = [p.detach().clone() for p in model.parameters()]
+    model, optimizer = wrapped("powersgd")
+    model.load_state_dict(saved[1])
+    optimizer.load_state_dict(saved[2])
+    record["loaded"] = comm_hook_of(model).load_state_dict(saved[0])  # type: ignore[union-attr]
+    for i in range(4, 8):
+        step(model, optimizer, i)
+    after = [p.detach() for p in model.parameters()]
+    record["resumed_equal"] = all(torch.equal(a, b) for a, b in zip(after, reference, strict=True))
+    Path(out, f"rank{info.rank}.json").write_text(json.dumps(record))

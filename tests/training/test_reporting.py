@@ -218,3 +218,15 @@ def test_a_run_config_json_cannot_hold_is_refused_before_any_file(tmp_path: Path
     with pytest.raises(ValueError, match=r"run_config\['args'\]\['model'\]: .*\(Linear\)"):
         ReportConfig(log_dir=tmp_path / "logs", run_config={"args": {"model": nn.Linear(1, 1)}})
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    ("sent", "hook", "shown"),
+    [(44_700_000.0, "none", "all-reduce 44.7 MB/step (none)"),
+     (22_350_000.0, "bf16", "all-reduce 22.4 MB/step (bf16)"),
+     (184_320.0, "powersgd", "all-reduce 0.184 MB/step (powersgd)")],
+)  # fmt: skip
+def test_the_epoch_line_says_what_a_step_all_reduced(sent: float, hook: str, shown: str) -> None:
+    record = {"epoch": 2, "train_loss": 0.5, "comm_hook": hook, "comm_bytes_per_step": sent}
+    assert shown in epoch_line(record, 4)
+    assert "all-reduce" not in epoch_line({"epoch": 2, "comm_bytes_per_step": None}, 4)
