@@ -9,6 +9,7 @@ or the job deadlocks**.
 
 from __future__ import annotations
 
+import gc
 from datetime import timedelta
 from typing import Any, TypeVar, overload
 
@@ -174,6 +175,20 @@ def gather_object(obj: _T, dst: int, *, patient: bool = False) -> list[_T] | Non
     gathered: list[Any] | None = [None] * dist.get_world_size() if get_rank() == dst else None
     dist.gather_object(obj, gathered, dst=dst, group=_patient_group() if patient else None)
     return gathered
+
+
+def destroy_group() -> None:
+    """Destroy the default process group, if there is one, and free what still held it.
+
+    Garbage can hold the group after ``destroy_process_group``: a DDP model's
+    reference cycles, a PowerSGD hook's callbacks. Freed by a collection here, in
+    this thread, the group shuts its Gloo threads down cleanly; left to the
+    interpreter's exit, the teardown aborts the process ("terminate called without
+    an active exception") and a queued result or log line is lost.
+    """
+    if is_dist_initialized():
+        dist.destroy_process_group()
+        gc.collect()
 
 
 def _patient_group() -> Any:

@@ -15,20 +15,20 @@ hooks (``torch.distributed.algorithms.ddp_comm_hooks``) through a
   gradients, so a resume continues bit-exactly;
 - **one bucket at a time**: PowerSGD issues its second all-reduce from the first
   one's callback; under Gloo two buckets' calls then reach the ranks in other
-  orders and the job aborts (pytorch#58467). Each bucket starts when the one
-  before has finished, which costs nothing under NCCL, whose futures complete
-  when their work is queued.
+  orders and the job aborts (pytorch#58467). Under Gloo each bucket's
+  all-reduces end before the hook returns; under NCCL, whose futures complete
+  when their work is queued, nothing waits.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -48,7 +48,6 @@ COMM_HOOKS = ("bf16", "fp16", "powersgd")
 # PyTorch's defaults (PowerSGDState), under ddpkit's names.
 POWERSGD_DEFAULTS = {"powersgd_rank": 1, "powersgd_warmup": 1000, "powersgd_error_feedback": True}
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_SEE = "gradient-compression-comm_hook"
 _HOOKS: weakref.WeakKeyDictionary[nn.Module, CommHook] = weakref.WeakKeyDictionary()
 
 
@@ -69,12 +68,13 @@ def check_comm_hook(
     if name is not None and name not in COMM_HOOKS:
         raise ValueError(
             f"comm_hook={name!r} is not a hook ddpkit knows: pass one of {list(COMM_HOOKS)}, "
-            "or None for DDP's own fp32 all-reduce. " + see(_SEE)
+            "or None for DDP's own fp32 all-reduce. " + see("gradient-compression-comm_hook")
         )
     if name != "powersgd" and given:
         raise ValueError(
             f"{', '.join(sorted(given))} set PowerSGD's options, and comm_hook is {name!r}: "
-            "pass comm_hook='powersgd' (--comm-hook powersgd), or leave them out. " + see(_SEE)
+            "pass comm_hook='powersgd' (--comm-hook powersgd), or leave them out. "
+            + see("gradient-compression-comm_hook")
         )
     chosen = {**POWERSGD_DEFAULTS, **given}
     if name == "powersgd":
@@ -91,18 +91,20 @@ def check_comm_hook(
             raise ValueError(
                 f"comm_hook={name!r} halves fp32 gradients, and this model's are already "
                 f"{', '.join(wide)}: they would travel as they are. Use no hook, or 'powersgd'. "
-                + see(_SEE)
+                + see("gradient-compression-comm_hook")
             )
         nccl = torch.cuda.nccl.version() if backend == "nccl" else None  # type: ignore[no-untyped-call]
         if name == "bf16" and nccl is not None and nccl < (2, 10):
             raise ValueError(
                 f"comm_hook='bf16' needs NCCL 2.10 or newer to all-reduce bfloat16, and this "
-                f"torch has NCCL {'.'.join(map(str, nccl))}: use 'fp16'. " + see(_SEE)
+                f"torch has NCCL {'.'.join(map(str, nccl))}: use 'fp16'. "
+                + see("gradient-compression-comm_hook")
             )
     if name is not None and backend not in (None, "nccl", "gloo"):
         raise ValueError(
             f"comm_hook={name!r} runs on the NCCL and Gloo backends, and this process group's "
-            f"is {backend!r}: use no hook there, or --dist-backend nccl / gloo. " + see(_SEE)
+            f"is {backend!r}: use no hook there, or --dist-backend nccl / gloo. "
+            + see("gradient-compression-comm_hook")
         )
     return chosen if name == "powersgd" else {}
 
@@ -140,7 +142,10 @@ class CommHook:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._device = params[0].device if params else torch.device("cpu")
         self._numels = [p.numel() for p in params]
-        self._tail: Future[Any] = _done(None)
+        # PowerSGD issues its second all-reduce from the first one's callback, which
+        # Gloo runs in a worker thread: two buckets' calls would reach the ranks in other
+        # orders (pytorch#58467). NCCL's futures complete when their work is queued.
+        self._one_at_a_time = kind == "powersgd" and _backend(ddp) != "nccl"
         # The buckets the memories are keyed by (parameter indices by bucket index), and
         # the buckets of the step in progress.
         self.layout: list[list[int]] = []
@@ -174,23 +179,15 @@ class CommHook:
         return self.sent, self.steps
 
     def run(self, bucket: Any) -> Future[Any]:
-        """The hook DDP calls for each bucket: after the bucket before it has finished.
+        """The hook DDP calls for each bucket (in index order).
 
-        A step's first bucket (index 0; DDP launches them in order) starts at once:
-        the step before ended with all its buckets done, or failed, whose last
-        bucket then never finishes.
+        Under Gloo a PowerSGD bucket's all-reduces end before the hook returns,
+        so the next bucket's cannot interleave with them.
         """
-        result = self._future()
-        tail = _done(None) if bucket.index() == 0 else self._tail
-        tail.then(lambda _: _settle(result, lambda: self._bucket(bucket)))
-        self._tail = result
-        return result
-
-    def _future(self) -> Future[Any]:
-        # A CUDA value in a future that expects none is an error; with its device the
-        # future records the value's stream, so DDP's reads wait for the all-reduce.
-        cuda = self._device.type == "cuda"
-        return Future(devices=[self._device]) if cuda else Future()
+        future = self._bucket(bucket)
+        if self._one_at_a_time:
+            future.wait()
+        return future
 
     def _bucket(self, bucket: Any) -> Future[Any]:
         if bucket.is_last():
@@ -211,7 +208,7 @@ class CommHook:
                 "PowerSGD: DDP's gradient buckets are not the ones its memories were kept "
                 "for; its error feedback and P/Q memories start afresh, so the run is not "
                 "bit-exact with an unbroken one from here. %s",
-                see(_SEE),
+                see("gradient-compression-comm_hook"),
             )
             self._forget()
         self._seen.append(params)
@@ -244,11 +241,11 @@ class CommHook:
         count = len(self.layout)
         parts = [_Part(i, count, [grads[p] for p in ps]) for i, ps in enumerate(self.layout)]
         self._seen = []
-        tail: Future[Any] = _done(None)
-        for part in parts:
-            nxt = self._future()
-            tail.then(functools.partial(self._after, nxt, part))
-            tail = nxt
+        future: Future[Any] = Future()
+        for part in parts:  # under NCCL a future is done once its work is queued
+            future = self._powersgd(part)
+            if self._one_at_a_time:
+                future.wait()
 
         def copy_back(fut: Future[Any]) -> torch.Tensor:
             fut.value()  # a part's error
@@ -257,10 +254,7 @@ class CommHook:
             buffer: torch.Tensor = bucket.buffer()
             return buffer
 
-        return tail.then(copy_back)
-
-    def _after(self, result: Future[Any], part: _Part, _: Future[Any]) -> None:
-        _settle(result, lambda: self._powersgd(part))
+        return future.then(copy_back)
 
     def _forget(self) -> None:
         state = self.state
@@ -362,25 +356,9 @@ class _Part:
             grad.copy_(view)
 
 
-def _settle(result: Future[Any], start: Callable[[], Future[Any]]) -> None:
-    """Start a bucket's hook; its value, or its error, becomes ``result``'s."""
-
-    def done(fut: Future[Any]) -> None:
-        try:
-            result.set_result(fut.value())
-        except Exception as exc:
-            result.set_exception(exc)
-
-    try:
-        start().then(done)
-    except Exception as exc:
-        result.set_exception(exc)
-
-
-def _done(value: Any) -> Future[Any]:
-    future: Future[Any] = Future()
-    future.set_result(value)
-    return future
+def _backend(ddp: nn.Module) -> str:
+    group = getattr(ddp, "process_group", None) or dist.group.WORLD
+    return str(dist.get_backend(group))
 
 
 def _options(state: Any) -> dict[str, Any]:

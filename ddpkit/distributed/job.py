@@ -18,10 +18,10 @@ from types import TracebackType
 from urllib.parse import urlparse
 
 import torch
-import torch.distributed as dist
 
 from ddpkit._docs import see
 from ddpkit._numbers import as_int, positive_seconds
+from ddpkit.distributed.comm import destroy_group
 from ddpkit.distributed.launchers import LaunchEnv, MasterEndpoint, parse_port
 
 __all__ = [
@@ -110,8 +110,7 @@ class DistInfo:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_group()
         self.restore_environment()
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ddpkit._docs import see
 from ddpkit.distributed import devices
+from ddpkit.distributed.comm import destroy_group
 from ddpkit.distributed.job import DistInfo, JobPlan, as_timeout, resolve_job, restore_environ
 from ddpkit.distributed.launchers import detect_launcher, master_endpoint
 from ddpkit.distributed.membership import elastic_warnings, find_agent
@@ -47,8 +48,7 @@ def shutdown(info: DistInfo | None = None) -> None:
             variables ``init_distributed`` set (NCCL/Gloo network variables)
             are put back as well.
     """
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_group()
     if info is not None:
         info.restore_environment()
 
@@ -293,9 +293,8 @@ def _init_process_group(
 
 def _leave_at_exit() -> None:
     """Destroy a process group still up when the interpreter exits; the status stays its own."""
-    if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):  # the exit goes on whatever the teardown says
-            dist.destroy_process_group()
+    with contextlib.suppress(Exception):  # the exit goes on whatever the teardown says
+        destroy_group()
 
 
 def _describe_existing() -> DistInfo:

@@ -37,9 +37,8 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal, Protocol
 
-import torch.distributed as dist
-
 from ddpkit.distributed.child import die_with_parent, read_note, write_notes_to
+from ddpkit.distributed.comm import destroy_group
 from ddpkit.distributed.exits import is_expected
 
 __all__ = [
@@ -268,8 +267,7 @@ def _child_entry(
     # Report before tearing the group down: the teardown is what makes the
     # other ranks fail, and their reports must not look like the first failure.
     results.put(report)
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_group()
 
 
 def run_processes(
