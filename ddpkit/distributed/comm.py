@@ -35,6 +35,7 @@ _T = TypeVar("_T")
 PATIENT_TIMEOUT = timedelta(hours=2)
 """How long ``all_gather_object(patient=True)`` waits: for a slow store, not a hung peer."""
 _PATIENT: dict[int, Any] = {}
+_HOLDERS_LEFT: list[bool] = []  # garbage_holds_groups() was called in this process
 
 
 def is_dist_initialized() -> bool:
@@ -180,15 +181,22 @@ def gather_object(obj: _T, dst: int, *, patient: bool = False) -> list[_T] | Non
 def destroy_group() -> None:
     """Destroy the default process group, if there is one, and free what still held it.
 
-    Garbage can hold the group after ``destroy_process_group``: a DDP model's
-    reference cycles, a PowerSGD hook's callbacks. Freed by a collection here, in
-    this thread, the group shuts its Gloo threads down cleanly; left to the
-    interpreter's exit, the teardown aborts the process ("terminate called without
-    an active exception") and a queued result or log line is lost.
+    In a process that used PowerSGD, garbage holds the group after
+    ``destroy_process_group`` (the hook's callbacks, a DDP model's reference
+    cycles). Freed by a collection here, in this thread, the group shuts its Gloo
+    threads down cleanly; left to the interpreter's exit, the teardown aborts the
+    process ("terminate called without an active exception") and a queued result
+    or log line is lost.
     """
     if is_dist_initialized():
         dist.destroy_process_group()
-        gc.collect()
+        if _HOLDERS_LEFT:  # a collection costs 0.1-0.2 s: only where such garbage is made
+            gc.collect()
+
+
+def garbage_holds_groups() -> None:
+    """Say that this process made garbage that holds process groups (PowerSGD's hook)."""
+    _HOLDERS_LEFT.append(True)
 
 
 def _patient_group() -> Any:

@@ -36,6 +36,7 @@ from torch.futures import Future
 
 from ddpkit._docs import see
 from ddpkit._numbers import as_int
+from ddpkit.distributed.comm import garbage_holds_groups
 from ddpkit.rng import numpy_state, set_numpy_state
 
 __all__ = ["COMM_HOOKS", "CommHook", "check_comm_hook", "comm_hook_of"]
@@ -152,6 +153,7 @@ class CommHook:
         self._seen: list[list[int]] = []
         self.state: Any = None  # PowerSGDState, whose attributes are untyped
         if kind == "powersgd":
+            garbage_holds_groups()  # its callbacks: comm.destroy_group collects them
             self.state = powersgd.PowerSGDState(
                 None,
                 matrix_approximation_rank=options["powersgd_rank"],

@@ -106,7 +106,7 @@ def test_rank_0s_powersgd_state_on_every_rank_diverges() -> None:
     assert not any(result["equal"] for result in results), results
 
 
-def _bytes(rank: int, world: int, hook: str | None, options: dict[str, Any]) -> dict[str, Any]:
+def _bytes(hook: str | None, options: dict[str, Any], rank: int) -> dict[str, Any]:
     model, optimizer = _wrapped(hook, **options)
     counter = comm_hook_of(model)
     assert counter is not None
@@ -116,6 +116,7 @@ def _bytes(rank: int, world: int, hook: str | None, options: dict[str, Any]) -> 
     for step in range(3, 6):
         _step(model, optimizer, rank, step)
     return {
+        "kind": str(counter.kind),
         "full": counter.full_bytes,
         "per_step": counter.bytes_per_step(),
         "after_warmup": counter.bytes_per_step(warm),
@@ -123,19 +124,42 @@ def _bytes(rank: int, world: int, hook: str | None, options: dict[str, Any]) -> 
     }
 
 
-@pytest.mark.timeout(120)
-def test_each_hook_counts_the_bytes_a_step_all_reduces() -> None:
-    cases: list[tuple[str | None, dict[str, Any]]] = [
-        (None, {}),
-        ("bf16", {}),
-        ("fp16", {}),
-        ("powersgd", {"powersgd_warmup": 3, "powersgd_rank": 1}),
+CASES: list[tuple[str | None, dict[str, Any]]] = [
+    (None, {}),
+    ("bf16", {}),
+    ("fp16", {}),
+    ("powersgd", {"powersgd_warmup": 3, "powersgd_rank": 1}),
+]
+
+
+def _every_hook(rank: int, world: int) -> dict[str, Any]:
+    """Each hook's counts, and what a PowerSGD hook says of states it cannot load."""
+    seen: dict[str, Any] = {str(hook): _bytes(hook, options, rank) for hook, options in CASES}
+    model, _ = _wrapped("powersgd", powersgd_warmup=2, powersgd_rank=2)
+    hook = comm_hook_of(model)
+    assert hook is not None
+    logging.getLogger("ddpkit").setLevel(logging.ERROR)
+    seen["refused"] = [
+        hook.load_state_dict({"kind": "bf16"}),
+        hook.load_state_dict({"kind": "powersgd", "options": {"powersgd_rank": 1}}),
+        hook.load_state_dict({"kind": "powersgd", "options": hook.state_dict()["options"]}),
     ]
+    return seen
+
+
+@pytest.fixture(scope="module")
+def every_hook() -> dict[str, Any]:
+    result: dict[str, Any] = run_distributed(_every_hook, 2, timeout=90)[0]
+    return result
+
+
+@pytest.mark.timeout(120)
+def test_each_hook_counts_the_bytes_a_step_all_reduces(every_hook: dict[str, Any]) -> None:
     full = sum(p.numel() * 4 for p in _net().parameters())
-    seen = {hook: run_distributed(_bytes, 2, args=(hook, options), timeout=90)[0]
-            for hook, options in cases}  # fmt: skip
-    assert seen[None]["full"] == seen[None]["per_step"] == full
-    for half in ("bf16", "fp16"):
+    seen = every_hook
+    assert [seen[str(h)]["kind"] for h, _ in CASES] == ["None", "bf16", "fp16", "powersgd"]
+    assert seen["None"]["full"] == seen["None"]["per_step"] == full
+    for half in ("bf16", "fp16"):  # Gloo all-reduces both on the CPU
         assert seen[half]["per_step"] == full / 2
         assert seen[half]["steps"] == 6
     sgd = seen["powersgd"]
@@ -143,6 +167,15 @@ def test_each_hook_counts_the_bytes_a_step_all_reduces() -> None:
     # 3 steps of fp32 warm-up, then P and Q of each matrix and the biases in fp32.
     assert 0 < sgd["after_warmup"] < full / 3, sgd
     assert sgd["per_step"] == pytest.approx((3 * full + 3 * sgd["after_warmup"]) / 6)
+
+
+@pytest.mark.timeout(120)
+def test_a_state_of_another_hook_or_options_is_not_loaded(every_hook: dict[str, Any]) -> None:
+    bf16, other, malformed = every_hook["refused"]
+    assert "comm hook bf16" in str(bf16)
+    assert "'powersgd_rank': 1" in str(other)
+    assert "its PowerSGD state is malformed (KeyError" in str(malformed)
+    assert comm_hook_of(nn.Linear(2, 2)) is None  # a model wrap_ddp did not wrap
 
 
 def test_unknown_or_misused_hooks_are_refused_on_one_process() -> None:
@@ -162,37 +195,9 @@ def test_unknown_or_misused_hooks_are_refused_on_one_process() -> None:
     assert wrap_ddp(plain, comm_hook="powersgd", powersgd_rank=2) is plain  # one process
 
 
-def _hook_names(rank: int, world: int) -> list[str]:
-    return [str(comm_hook_of(wrap_ddp(_net(), comm_hook=h)).kind) for h in ("bf16", None)]  # type: ignore[union-attr]
-
-
-@pytest.mark.timeout(90)
-def test_gloo_runs_every_hook_and_a_plain_ddp_model_has_none() -> None:
-    assert run_distributed(_hook_names, 2, timeout=60)[0] == ["bf16", "None"]
-    assert comm_hook_of(nn.Linear(2, 2)) is None
-
-
 def test_a_mpi_backend_is_refused() -> None:
     from ddpkit.distributed.compression import check_comm_hook
 
     with pytest.raises(ValueError, match=r"runs on the NCCL and Gloo backends.*'mpi'"):
         check_comm_hook("bf16", list(_net().parameters()), "mpi", {})
     assert check_comm_hook(None, [], "mpi", {}) == {}
-
-
-def _saved_elsewhere(rank: int, world: int) -> list[str | None]:
-    model, _ = _wrapped("powersgd", powersgd_warmup=2, powersgd_rank=2)
-    hook = comm_hook_of(model)
-    assert hook is not None
-    logging.getLogger("ddpkit").setLevel(logging.ERROR)
-    return [
-        hook.load_state_dict({"kind": "bf16"}),
-        hook.load_state_dict({"kind": "powersgd", "options": {"powersgd_rank": 1}}),
-    ]
-
-
-@pytest.mark.timeout(90)
-def test_a_state_of_another_hook_or_options_is_not_loaded() -> None:
-    bf16, other = run_distributed(_saved_elsewhere, 1, timeout=60)[0]
-    assert "comm hook bf16" in str(bf16)
-    assert "'powersgd_rank': 1" in str(other)
