@@ -28,7 +28,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -39,7 +38,7 @@ from ddpkit._numbers import as_int
 from ddpkit.distributed.comm import garbage_holds_groups
 from ddpkit.rng import numpy_state, set_numpy_state
 
-__all__ = ["COMM_HOOKS", "CommHook", "check_comm_hook", "comm_hook_of"]
+__all__ = ["COMM_HOOKS", "CommHook", "backend_for", "check_comm_hook", "comm_hook_of"]
 
 logger = logging.getLogger("ddpkit")
 
@@ -134,7 +133,9 @@ class CommHook:
         state: PyTorch's ``PowerSGDState`` (``"powersgd"``), else None.
     """
 
-    def __init__(self, ddp: nn.Module, kind: str | None, options: Mapping[str, Any]) -> None:
+    def __init__(
+        self, ddp: nn.Module, kind: str | None, options: Mapping[str, Any], backend: str
+    ) -> None:
         module = getattr(ddp, "module", ddp)
         params = list(module.parameters())
         self.kind = kind
@@ -146,7 +147,7 @@ class CommHook:
         # PowerSGD issues its second all-reduce from the first one's callback, which
         # Gloo runs in a worker thread: two buckets' calls would reach the ranks in other
         # orders (pytorch#58467). NCCL's futures complete when their work is queued.
-        self._one_at_a_time = kind == "powersgd" and _backend(ddp) != "nccl"
+        self._one_at_a_time = kind == "powersgd" and backend != "nccl"
         # The buckets the memories are keyed by (parameter indices by bucket index), and
         # the buckets of the step in progress.
         self.layout: list[list[int]] = []
@@ -350,17 +351,17 @@ class _Part:
     def gradients(self) -> list[torch.Tensor]:
         return self._views
 
-    def parameters(self) -> list[torch.Tensor]:
-        raise AssertionError("a saved bucket's part is never asked for its parameters")
-
     def copy_back(self) -> None:
         for grad, view in zip(self._grads, self._views, strict=True):
             grad.copy_(view)
 
 
-def _backend(ddp: nn.Module) -> str:
-    group = getattr(ddp, "process_group", None) or dist.group.WORLD
-    return str(dist.get_backend(group))
+def backend_for(backend: str, device: torch.device) -> str:
+    """The backend of a group's collectives on ``device``: ``"cpu:gloo,cuda:nccl"`` has two."""
+    if ":" not in backend:
+        return backend
+    by_device = dict(part.split(":", 1) for part in backend.split(","))
+    return by_device.get(device.type, backend)
 
 
 def _options(state: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpkit.distributed.compression import CommHook, check_comm_hook
+from ddpkit.distributed.compression import CommHook, backend_for, check_comm_hook
 from ddpkit.distributed.devices import collective_device, model_device
 
 __all__ = ["no_sync", "sync_buffers", "unwrap_model", "wrap_ddp"]
@@ -128,7 +128,7 @@ def wrap_ddp(
     }
     dev = model_device(device, distributed)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    backend = _backend_of(dev) if distributed else None
+    backend = backend_for(str(dist.get_backend()), dev) if distributed else None
     options = check_comm_hook(comm_hook, trainable, backend, given)
     if not distributed:
         return model.to(dev)
@@ -149,7 +149,7 @@ def wrap_ddp(
         )
     else:
         ddp = DistributedDataParallel(model, **ddp_kwargs)
-    CommHook(ddp, comm_hook, options)
+    CommHook(ddp, comm_hook, options, str(backend))
     return ddp
 
 
@@ -256,15 +256,6 @@ def no_sync(
         return contextlib.nullcontext()
     context: AbstractContextManager[Any] = ddp.no_sync()
     return context
-
-
-def _backend_of(dev: torch.device) -> str:
-    """The process group's backend for tensors on ``dev``: ``"cpu:gloo,cuda:nccl"`` has two."""
-    backend = str(dist.get_backend())
-    if ":" not in backend:
-        return backend
-    by_device = dict(part.split(":", 1) for part in backend.split(","))
-    return by_device.get(dev.type, backend)
 
 
 def _compiled_inner(model: nn.Module) -> nn.Module | None:

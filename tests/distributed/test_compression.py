@@ -201,3 +201,11 @@ def test_a_mpi_backend_is_refused() -> None:
     with pytest.raises(ValueError, match=r"runs on the NCCL and Gloo backends.*'mpi'"):
         check_comm_hook("bf16", list(_net().parameters()), "mpi", {})
     assert check_comm_hook(None, [], "mpi", {}) == {}
+
+
+def test_a_group_of_two_backends_is_read_by_the_models_device() -> None:
+    from ddpkit.distributed.compression import backend_for
+
+    assert backend_for("gloo", torch.device("cpu")) == "gloo"
+    assert backend_for("cpu:gloo,cuda:nccl", torch.device("cuda", 1)) == "nccl"
+    assert backend_for("cpu:gloo,cuda:nccl", torch.device("cpu")) == "gloo"
